@@ -1,0 +1,17 @@
+# syntax=docker/dockerfile:1
+# Build stage: a static binary, so the runtime image needs no Go.
+FROM golang:1.26-bookworm AS build
+WORKDIR /src
+COPY go.mod go.sum ./
+RUN go mod download
+COPY . .
+ARG VERSION=dev
+RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X main.version=${VERSION}" -o /out/modeguard ./cmd/modeguard
+
+# Runtime: what the node plugin calls (losetup, mount, blkid, mkfs, resize).
+FROM debian:bookworm-slim
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends util-linux mount e2fsprogs xfsprogs coreutils \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=build /out/modeguard /usr/local/bin/modeguard
+ENTRYPOINT ["/usr/local/bin/modeguard"]

@@ -1,0 +1,190 @@
+// Command modeguard is a CSI driver whose access modes hold: it serves the
+// CSI Identity, Controller and Node services over one endpoint.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"sort"
+	"strings"
+	"syscall"
+
+	"k8s.io/klog/v2"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/backend/block"
+	"github.com/modeguard/modeguard/pkg/driver"
+	"github.com/modeguard/modeguard/pkg/volumeid"
+)
+
+// version is set at build time with -ldflags "-X main.version=...".
+var version = "dev"
+
+// poolFlag collects repeated --block-pool ZONE=DIR flags.
+type poolFlag map[string]string
+
+func (p poolFlag) String() string {
+	var parts []string
+	for z, d := range p {
+		parts = append(parts, z+"="+d)
+	}
+	sort.Strings(parts)
+	return strings.Join(parts, ",")
+}
+
+func (p poolFlag) Set(v string) error {
+	zone, dir, ok := strings.Cut(v, "=")
+	if !ok || dir == "" {
+		return fmt.Errorf("want ZONE=DIR, got %q", v)
+	}
+	if !volumeid.ValidZone(zone) {
+		return fmt.Errorf("zone %q is not a valid zone name (letters, digits, '-', '_', '.')", zone)
+	}
+	if _, dup := p[zone]; dup {
+		return fmt.Errorf("zone %q has two pools", zone)
+	}
+	if !strings.HasPrefix(dir, "/") {
+		return fmt.Errorf("pool directory %q must be an absolute path", dir)
+	}
+	p[zone] = dir
+	return nil
+}
+
+type options struct {
+	endpoint    string
+	roles       string
+	nodeID      string
+	zone        string
+	nodeAddress string
+	stateDir    string
+	driverName  string
+	maxVolumes  int64
+	pools       poolFlag
+	showVersion bool
+}
+
+func parseFlags(args []string) (*options, error) {
+	o := &options{pools: poolFlag{}}
+	fs := flag.NewFlagSet("modeguard", flag.ContinueOnError)
+	fs.StringVar(&o.endpoint, "endpoint", "unix:///run/modeguard/csi.sock",
+		"where to serve CSI: unix:///path/to/socket or tcp://host:port")
+	fs.StringVar(&o.roles, "roles", "controller,node",
+		"services to serve besides Identity: controller, node, or controller,node")
+	fs.StringVar(&o.nodeID, "node-id", "", "this node's name (node role), reported as "+driver.TopologyNodeKey+"; the CSI node id is <node-id>@<zone>[@<node-address>]")
+	fs.StringVar(&o.zone, "zone", "", "this node's topology zone (node role), reported as "+driver.TopologyZoneKey)
+	fs.StringVar(&o.nodeAddress, "node-address", "", "IP address this node mounts NFS exports from (node role, optional)")
+	fs.StringVar(&o.stateDir, "state-dir", "/var/lib/modeguard", "directory for this node plugin's lock files and stage records")
+	fs.StringVar(&o.driverName, "driver-name", driver.DefaultDriverName, "CSI driver name")
+	fs.Int64Var(&o.maxVolumes, "max-volumes-per-node", 128, "volumes this node may hold at once, reported in NodeGetInfo (0: no limit)")
+	fs.Var(o.pools, "block-pool", "ZONE=DIR: a block pool this process may place or find volumes in (repeatable)")
+	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
+	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
+	klog.InitFlags(klogFlags)
+	fs.Var(klogFlags.Lookup("v").Value, "v", "log verbosity: 0 state changes and refusals, 2 failed calls, 4 every call")
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "Usage: modeguard [flags]\n\nA CSI driver whose access modes hold. Flags:\n")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+	}
+	return o, nil
+}
+
+func parseRoles(s string) ([]driver.Role, error) {
+	var roles []driver.Role
+	for _, r := range strings.Split(s, ",") {
+		switch driver.Role(strings.TrimSpace(r)) {
+		case driver.RoleController:
+			roles = append(roles, driver.RoleController)
+		case driver.RoleNode:
+			roles = append(roles, driver.RoleNode)
+		default:
+			return nil, fmt.Errorf("--roles: %q is not one of controller, node", r)
+		}
+	}
+	return roles, nil
+}
+
+func run(o *options) error {
+	roles, err := parseRoles(o.roles)
+	if err != nil {
+		return err
+	}
+	cfg := driver.Config{
+		DriverName: o.driverName, Version: version, Roles: roles,
+		NodeName: o.nodeID, Zone: o.zone, NodeAddress: o.nodeAddress, StateDir: o.stateDir,
+		MaxVolumesPerNode: o.maxVolumes,
+		Controllers:       map[accessmode.Backend]backend.Controller{},
+		Nodes:             map[accessmode.Backend]backend.Node{},
+	}
+	if len(o.pools) > 0 {
+		for _, r := range roles {
+			switch r {
+			case driver.RoleController:
+				c, err := block.NewController(o.pools)
+				if err != nil {
+					return fmt.Errorf("block pools: %w", err)
+				}
+				cfg.Controllers[accessmode.BackendBlock] = c
+			case driver.RoleNode:
+				n, err := block.NewNode(o.pools)
+				if err != nil {
+					return fmt.Errorf("block pools: %w", err)
+				}
+				cfg.Nodes[accessmode.BackendBlock] = n
+			}
+		}
+	}
+	d, err := driver.New(cfg)
+	if err != nil {
+		return err
+	}
+	if err := d.Reconcile(); err != nil {
+		return fmt.Errorf("reconciling lock files: %w", err)
+	}
+	lis, err := driver.Listen(o.endpoint)
+	if err != nil {
+		return err
+	}
+	srv := d.NewGRPCServer()
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	go func() {
+		<-ctx.Done()
+		klog.InfoS("Stopping: waiting for calls in flight")
+		srv.GracefulStop()
+	}()
+	klog.InfoS("Serving CSI", "driver", o.driverName, "version", version, "endpoint", o.endpoint,
+		"roles", o.roles, "nodeID", d.NodeID(), "pools", o.pools.String())
+	return srv.Serve(lis)
+}
+
+func main() {
+	o, err := parseFlags(os.Args[1:])
+	if errors.Is(err, flag.ErrHelp) {
+		os.Exit(0)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "modeguard:", err)
+		os.Exit(2)
+	}
+	if o.showVersion {
+		fmt.Println(version)
+		return
+	}
+	if err := run(o); err != nil {
+		klog.ErrorS(err, "modeguard failed")
+		klog.Flush()
+		os.Exit(1)
+	}
+	klog.Flush()
+}

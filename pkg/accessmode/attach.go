@@ -1,0 +1,101 @@
+package accessmode
+
+import (
+	"fmt"
+
+	"google.golang.org/grpc/codes"
+)
+
+// Attachment is one node's hold on a volume, as the controller records it at
+// ControllerPublishVolume.
+type Attachment struct {
+	NodeID   string `json:"nodeID"`
+	Mode     Mode   `json:"mode"`
+	ReadOnly bool   `json:"readOnly"`
+	// Fingerprint identifies the rest of the capability (access type, fs
+	// type, mount flags): the same node asking again with another one is
+	// refused with ALREADY_EXISTS rather than silently changed.
+	Fingerprint string `json:"fingerprint,omitempty"`
+}
+
+// CheckAttach decides whether req may join the existing attachments
+// (ControllerPublishVolume, across nodes). req.ReadOnly must already be the
+// effective value (see EffectiveReadOnly).
+func CheckAttach(existing []Attachment, req Attachment) Decision {
+	if !Valid(req.Mode) {
+		return refuse(codes.InvalidArgument, "access mode %v is not a defined CSI access mode", req.Mode)
+	}
+	var others []Attachment
+	for _, a := range existing {
+		if a.NodeID != req.NodeID {
+			others = append(others, a)
+			continue
+		}
+		if a.Mode == req.Mode && a.ReadOnly == req.ReadOnly && a.Fingerprint == req.Fingerprint {
+			return repeat()
+		}
+		return refuse(codes.AlreadyExists,
+			"volume is already published to node %q as %s (readonly=%t) with another capability; unpublish it from that node first",
+			a.NodeID, Name(a.Mode), a.ReadOnly)
+	}
+	if len(others) == 0 {
+		return allow()
+	}
+	want, _ := limitsOf(req.Mode)
+	if want.nodes == 1 {
+		return refuse(codes.FailedPrecondition,
+			"volume is published to node %q; access mode %s allows one node at a time: unpublish it there (stop the workload) before publishing to node %q",
+			others[0].NodeID, Name(req.Mode), req.NodeID)
+	}
+	// Every holder's mode bounds the writer nodes of all of them, the
+	// request's included, and whether or not the request itself writes: a
+	// reader whose mode allows no writer may no more join a writer than a
+	// writer may join it, so the outcome does not depend on who came first.
+	writerLimit, limiter := want.writerNodes, req
+	writers := []string{}
+	for _, o := range others {
+		l, _ := limitsOf(o.Mode)
+		if l.nodes == 1 {
+			return refuse(codes.FailedPrecondition,
+				"volume is published to node %q as %s, which allows one node at a time; unpublish it there before publishing to node %q",
+				o.NodeID, Name(o.Mode), req.NodeID)
+		}
+		if l.writerNodes < writerLimit {
+			writerLimit, limiter = l.writerNodes, o
+		}
+		if !o.ReadOnly {
+			writers = append(writers, o.NodeID)
+		}
+	}
+	total := len(writers)
+	if !req.ReadOnly {
+		total++
+	}
+	if total <= writerLimit {
+		return allow()
+	}
+	allows := "no writer node"
+	if writerLimit == 1 {
+		allows = "one writer node"
+	}
+	rule := fmt.Sprintf("access mode %s allows %s", Name(req.Mode), allows)
+	if limiter.NodeID != req.NodeID {
+		rule = fmt.Sprintf("node %q holds it as %s, which allows %s", limiter.NodeID, Name(limiter.Mode), allows)
+	}
+	if len(writers) == 0 { // req is the only writer
+		if limiter.NodeID == req.NodeID {
+			return refuse(codes.FailedPrecondition,
+				"volume is published read-only to node %q; access mode %s allows no writer node; publish read-only instead",
+				others[0].NodeID, Name(req.Mode))
+		}
+		return refuse(codes.FailedPrecondition,
+			"volume is published read-only to node %q as %s, which allows no writer node; publish read-only instead",
+			limiter.NodeID, Name(limiter.Mode))
+	}
+	advice := "publish read-only or unpublish it there first"
+	if req.ReadOnly {
+		advice = "unpublish it there first"
+	}
+	return refuse(codes.FailedPrecondition,
+		"volume is published read/write to node %q; %s; %s", writers[0], rule, advice)
+}

@@ -1,0 +1,240 @@
+package accessmode
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+)
+
+// at is one node's hold, read/write ("rw") or read-only ("ro").
+func at(node string, m Mode, rw string) Attachment {
+	if rw != "rw" && rw != "ro" {
+		panic("at: rw must be rw or ro, not " + rw)
+	}
+	return Attachment{NodeID: node, Mode: m, ReadOnly: rw == "ro", Fingerprint: "mount/ext4"}
+}
+
+func holds(a ...Attachment) []Attachment { return a }
+
+// TestCheckAttach is ControllerPublishVolume across nodes: may req join the
+// nodes that already hold the volume?
+func TestCheckAttach(t *testing.T) {
+	tests := []struct {
+		name     string
+		existing []Attachment
+		req      Attachment
+		want     codes.Code
+		idem     bool
+		mention  []string // the message must contain each
+	}{
+		// SINGLE_NODE_*: "Volume published to another node" ->
+		// FAILED_PRECONDITION naming the node that holds it.
+		{"SNW second node", holds(at("node-a", SNW, "rw")), at("node-b", SNW, "rw"), FP, false, []string{`"node-a"`}},
+		{"SNSW second node", holds(at("node-a", SNSW, "rw")), at("node-b", SNSW, "rw"), FP, false, []string{`"node-a"`}},
+		{"SNMW second node", holds(at("node-a", SNMW, "rw")), at("node-b", SNMW, "rw"), FP, false, []string{`"node-a"`}},
+		{"SNRO second node", holds(at("node-a", SNRO, "ro")), at("node-b", SNRO, "ro"), FP, false, []string{`"node-a"`}},
+		{"SNW second node read-only", holds(at("node-a", SNW, "rw")), at("node-b", SNW, "ro"), FP, false, []string{`"node-a"`}},
+		{"SNSW after SNW on another node", holds(at("node-a", SNW, "rw")), at("node-b", SNSW, "rw"), FP, false, []string{`"node-a"`}},
+
+		// MULTI_NODE_READER_ONLY: any number of readers.
+		{"MNRO fourth reader", holds(at("node-a", MNRO, "ro"), at("node-b", MNRO, "ro"), at("node-c", MNRO, "ro")), at("node-d", MNRO, "ro"), OK, false, nil},
+		{"MNRO writer among readers", holds(at("node-a", MNRO, "ro")), at("node-b", MNRO, "rw"), FP, false, []string{`"node-a"`}},
+
+		// MULTI_NODE_SINGLE_WRITER: many readers, at most one writer.
+		{"MNSW reader after writer", holds(at("node-a", MNSW, "rw")), at("node-b", MNSW, "ro"), OK, false, nil},
+		{"MNSW readers after writer", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "ro"), at("node-c", MNSW, "ro")), at("node-d", MNSW, "ro"), OK, false, nil},
+		{"MNSW writer after readers", holds(at("node-b", MNSW, "ro"), at("node-c", MNSW, "ro")), at("node-a", MNSW, "rw"), OK, false, nil},
+		{"MNSW second writer", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "ro")), at("node-c", MNSW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_SINGLE_WRITER", "read-only"}},
+		{"MNSW second writer, writer listed last", holds(at("node-b", MNSW, "ro"), at("node-c", MNSW, "ro"), at("node-a", MNSW, "rw")), at("node-d", MNSW, "rw"), FP, false, []string{`"node-a"`}},
+
+		// MULTI_NODE_MULTI_WRITER: anything.
+		{"MNMW fourth writer", holds(at("node-a", MNMW, "rw"), at("node-b", MNMW, "rw"), at("node-c", MNMW, "ro")), at("node-d", MNMW, "rw"), OK, false, nil},
+		{"MNMW reader", holds(at("node-a", MNMW, "rw"), at("node-b", MNMW, "rw")), at("node-c", MNMW, "ro"), OK, false, nil},
+
+		// The same node again: idempotent, or "Volume published but is
+		// incompatible" -> ALREADY_EXISTS.
+		{"same node same args", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "ro")), at("node-b", MNSW, "ro"), OK, true, nil},
+		{"same single-node holder again", holds(at("node-a", SNSW, "rw")), at("node-a", SNSW, "rw"), OK, true, nil},
+		{"same node other mode", holds(at("node-a", SNSW, "rw")), at("node-a", SNMW, "rw"), AE, false, []string{`"node-a"`}},
+		{"same node other readonly", holds(at("node-a", MNMW, "rw")), at("node-a", MNMW, "ro"), AE, false, []string{`"node-a"`}},
+		{"same node other fingerprint", holds(at("node-a", SNW, "rw")), Attachment{NodeID: "node-a", Mode: SNW, Fingerprint: "block"}, AE, false, []string{`"node-a"`}},
+		// The same node is judged before the other nodes: its repeat is
+		// fine even if, as a new request, it would be refused.
+		{"same node repeat among conflicts", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "rw")), at("node-b", MNSW, "rw"), OK, true, nil},
+
+		// Mixing modes across nodes.
+		{"multi-node request after single-node holder", holds(at("node-a", SNW, "rw")), at("node-b", MNMW, "rw"), FP, false, []string{`"node-a"`, "SINGLE_NODE_WRITER"}},
+		{"multi-node reader after single-node reader", holds(at("node-a", SNRO, "ro")), at("node-b", MNRO, "ro"), FP, false, []string{`"node-a"`}},
+		{"single-node request after multi-node holder", holds(at("node-a", MNMW, "rw")), at("node-b", SNMW, "rw"), FP, false, []string{`"node-a"`}},
+		{"MNMW writer while MNRO reader holds it", holds(at("node-a", MNRO, "ro")), at("node-b", MNMW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_READER_ONLY"}},
+		{"MNSW writer while MNRO reader holds it", holds(at("node-a", MNRO, "ro")), at("node-b", MNSW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_READER_ONLY"}},
+		{"MNMW reader while MNRO reader holds it", holds(at("node-a", MNRO, "ro")), at("node-b", MNMW, "ro"), OK, false, nil},
+		{"MNMW second writer while MNSW writer holds it", holds(at("node-a", MNSW, "rw")), at("node-b", MNMW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_SINGLE_WRITER"}},
+		{"MNRO reader while a writer holds it", holds(at("node-a", MNMW, "rw")), at("node-b", MNRO, "ro"), FP, false, []string{`"node-a"`, "MULTI_NODE_READER_ONLY"}},
+		{"MNSW reader while two writers hold it", holds(at("node-a", MNMW, "rw"), at("node-b", MNMW, "rw")), at("node-c", MNSW, "ro"), FP, false, []string{"MULTI_NODE_SINGLE_WRITER"}},
+		{"writer blocked by a reader-only holder listed after a writer", holds(at("node-a", MNMW, "ro"), at("node-b", MNRO, "ro")), at("node-c", MNMW, "rw"), FP, false, []string{`"node-b"`, "MULTI_NODE_READER_ONLY"}},
+
+		// Not a mode at all.
+		{"invalid mode", nil, Attachment{NodeID: "node-a", Mode: Mode(0)}, INV, false, nil},
+		{"invalid mode among holders", holds(at("node-a", MNMW, "rw")), Attachment{NodeID: "node-b", Mode: Mode(42)}, INV, false, nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			d := CheckAttach(tt.existing, tt.req)
+			if d.Code != tt.want {
+				t.Fatalf("code = %v (%q), want %v", d.Code, d.Message, tt.want)
+			}
+			if d.Allowed() != (tt.want == OK) {
+				t.Errorf("Allowed() = %t with code %v", d.Allowed(), d.Code)
+			}
+			if d.Idempotent != tt.idem {
+				t.Errorf("Idempotent = %t, want %t", d.Idempotent, tt.idem)
+			}
+			if (d.Message == "") != (tt.want == OK) {
+				t.Errorf("message %q with code %v", d.Message, d.Code)
+			}
+			for _, s := range tt.mention {
+				if !strings.Contains(d.Message, s) {
+					t.Errorf("message %q does not contain %s", d.Message, s)
+				}
+			}
+		})
+	}
+}
+
+func TestCheckAttachFirstNode(t *testing.T) {
+	for _, m := range All {
+		for _, rw := range []string{"rw", "ro"} {
+			if IsReadOnly(m) && rw == "rw" {
+				continue // the caller passes the effective readonly
+			}
+			d := CheckAttach(nil, at("node-a", m, rw))
+			if !d.Allowed() || d.Idempotent {
+				t.Errorf("%v %s on an unheld volume: %+v, want plain OK", m, rw, d)
+			}
+		}
+	}
+}
+
+// The spec: for a volume without MULTI_NODE capability, a second node gets
+// FAILED_PRECONDITION and the message SHOULD carry the node_id of the node
+// that holds it. Whatever the first node's mode.
+func TestCheckAttachSingleNodeNamesHolder(t *testing.T) {
+	singleNode := []Mode{SNW, SNRO, SNSW, SNMW}
+	for _, asked := range singleNode {
+		for _, held := range All {
+			rw := "rw"
+			if IsReadOnly(held) {
+				rw = "ro"
+			}
+			holder := at("worker-7.example.com", held, rw)
+			d := CheckAttach(holds(holder), at("worker-9", asked, "ro"))
+			if d.Code != FP {
+				t.Errorf("%v held, %v asked: code = %v, want FAILED_PRECONDITION", held, asked, d.Code)
+				continue
+			}
+			if !strings.Contains(d.Message, "worker-7.example.com") {
+				t.Errorf("%v held, %v asked: message %q does not name the holding node", held, asked, d.Message)
+			}
+		}
+	}
+}
+
+// Whether two nodes may hold a volume together must not depend on which of
+// them asked first: otherwise a reader that promised "nobody writes" could
+// join a writer it would have kept out.
+func TestCheckAttachOrderDoesNotMatter(t *testing.T) {
+	var all []Attachment
+	for _, m := range All {
+		if !IsReadOnly(m) {
+			all = append(all, Attachment{Mode: m, ReadOnly: false})
+		}
+		all = append(all, Attachment{Mode: m, ReadOnly: true})
+	}
+	for _, x := range all {
+		for _, y := range all {
+			x.NodeID, y.NodeID = "node-x", "node-y"
+			xy := CheckAttach(holds(x), y)
+			yx := CheckAttach(holds(y), x)
+			if xy.Allowed() != yx.Allowed() {
+				t.Errorf("%s then %s: %v %q; the other way round: %v %q",
+					describe(x), describe(y), xy.Code, xy.Message, yx.Code, yx.Message)
+			}
+		}
+	}
+}
+
+// Three nodes, in every order: each allowed set of three is allowed whichever
+// node comes last, and no refused request slips in through another order.
+func TestCheckAttachThreeNodesOrderDoesNotMatter(t *testing.T) {
+	var all []Attachment
+	for _, m := range []Mode{MNRO, MNSW, MNMW} {
+		if !IsReadOnly(m) {
+			all = append(all, Attachment{Mode: m})
+		}
+		all = append(all, Attachment{Mode: m, ReadOnly: true})
+	}
+	build := func(order []Attachment) bool {
+		var held []Attachment
+		for _, a := range order {
+			if !CheckAttach(held, a).Allowed() {
+				return false
+			}
+			held = append(held, a)
+		}
+		return true
+	}
+	for _, a := range all {
+		for _, b := range all {
+			for _, c := range all {
+				a.NodeID, b.NodeID, c.NodeID = "node-a", "node-b", "node-c"
+				orders := [][]Attachment{{a, b, c}, {a, c, b}, {b, a, c}, {b, c, a}, {c, a, b}, {c, b, a}}
+				first := build(orders[0])
+				for _, o := range orders[1:] {
+					if build(o) != first {
+						t.Errorf("%s, %s, %s: order %s,%s,%s gives %t, the first order %t",
+							describe(a), describe(b), describe(c), o[0].NodeID, o[1].NodeID, o[2].NodeID, build(o), first)
+					}
+				}
+			}
+		}
+	}
+}
+
+// With MULTI_NODE_SINGLE_WRITER the number of writer nodes never exceeds
+// one, whatever sequence of requests arrives.
+func TestCheckAttachNeverTwoWriters(t *testing.T) {
+	var held []Attachment
+	for i := 0; i < 20; i++ {
+		rw := "ro"
+		if i%3 == 0 {
+			rw = "rw"
+		}
+		req := at(fmt.Sprintf("node-%02d", i), MNSW, rw)
+		if CheckAttach(held, req).Allowed() {
+			held = append(held, req)
+		}
+	}
+	writers := 0
+	for _, h := range held {
+		if !h.ReadOnly {
+			writers++
+		}
+	}
+	if writers != 1 {
+		t.Errorf("%d writer nodes hold a MULTI_NODE_SINGLE_WRITER volume, want exactly 1", writers)
+	}
+	if len(held) != 1+13 {
+		t.Errorf("%d nodes hold it, want the first writer and all 13 readers", len(held))
+	}
+}
+
+func describe(a Attachment) string {
+	rw := "rw"
+	if a.ReadOnly {
+		rw = "ro"
+	}
+	return a.NodeID + ":" + Name(a.Mode) + ":" + rw
+}

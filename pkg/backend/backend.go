@@ -1,0 +1,146 @@
+// Package backend is the narrow interface between the CSI servers and the
+// storage that holds volumes. The servers check arguments and apply the
+// access-mode rules; a backend only stores, attaches and mounts. Errors a
+// backend returns carry gRPC status codes where the cause is known (see
+// package status), so they reach the CO unchanged.
+package backend
+
+import (
+	"context"
+	"time"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/volumeid"
+)
+
+// Source is what a new volume is filled from.
+type Source struct {
+	SnapshotID string `json:"snapshotID,omitempty"`
+	VolumeID   string `json:"volumeID,omitempty"`
+}
+
+// Volume is everything the controller records about a volume.
+type Volume struct {
+	ID            string                  `json:"id"`
+	Name          string                  `json:"name"`
+	CapacityBytes int64                   `json:"capacityBytes"`
+	Zone          string                  `json:"zone,omitempty"`
+	AccessType    accessmode.AccessType   `json:"accessType"`
+	FsType        string                  `json:"fsType,omitempty"`
+	Modes         []accessmode.Mode       `json:"modes"`
+	Parameters    map[string]string       `json:"parameters,omitempty"`
+	Source        *Source                 `json:"source,omitempty"`
+	Attachments   []accessmode.Attachment `json:"attachments,omitempty"`
+	CreatedAt     time.Time               `json:"createdAt"`
+}
+
+// Snapshot is everything the controller records about a snapshot.
+type Snapshot struct {
+	ID             string    `json:"id"`
+	Name           string    `json:"name"`
+	SourceVolumeID string    `json:"sourceVolumeID"`
+	SizeBytes      int64     `json:"sizeBytes"`
+	CreatedAt      time.Time `json:"createdAt"`
+}
+
+// VolumeSpec is a volume to create. ID is already derived from the name and
+// the chosen zone; the caller holds the volume's lock and has made sure no
+// volume with this ID exists.
+type VolumeSpec struct {
+	ID            volumeid.ID
+	Name          string
+	CapacityBytes int64
+	AccessType    accessmode.AccessType
+	FsType        string
+	Modes         []accessmode.Mode
+	Parameters    map[string]string
+	Source        *Source
+}
+
+// Health is what a backend knows about a volume's condition.
+type Health struct {
+	Abnormal bool
+	Reason   string // CamelCase, for machines
+	Message  string // for people
+}
+
+// Controller is the controller-side half of a backend.
+type Controller interface {
+	// Backend names the backend.
+	Backend() accessmode.Backend
+	// Zones lists the zones this controller may place volumes in, in the
+	// order it prefers them.
+	Zones() []string
+	// Capacity is the number of bytes a new volume in zone could still get.
+	Capacity(ctx context.Context, zone string) (int64, error)
+
+	CreateVolume(ctx context.Context, spec VolumeSpec) (*Volume, error)
+	// Volume returns the recorded volume, or a NotFound status.
+	Volume(ctx context.Context, id volumeid.ID) (*Volume, error)
+	// DeleteVolume removes the volume's storage; an absent volume is fine.
+	DeleteVolume(ctx context.Context, id volumeid.ID) error
+	// SetAttachments records which nodes hold the volume. The caller has
+	// applied the access-mode rules; the backend makes them effective
+	// (NFS: the export's client list).
+	SetAttachments(ctx context.Context, id volumeid.ID, attachments []accessmode.Attachment) (*Volume, error)
+	// ExpandVolume grows the volume's storage to at least bytes.
+	ExpandVolume(ctx context.Context, id volumeid.ID, bytes int64) (*Volume, error)
+	// ListVolumes returns every volume, sorted by ID.
+	ListVolumes(ctx context.Context) ([]*Volume, error)
+	// VolumeHealth reports the volume's condition as the controller sees it.
+	VolumeHealth(ctx context.Context, id volumeid.ID) (Health, error)
+
+	CreateSnapshot(ctx context.Context, id volumeid.ID, name string, source volumeid.ID) (*Snapshot, error)
+	// Snapshot returns the recorded snapshot, or a NotFound status.
+	Snapshot(ctx context.Context, id volumeid.ID) (*Snapshot, error)
+	// DeleteSnapshot removes a snapshot; an absent one is fine.
+	DeleteSnapshot(ctx context.Context, id volumeid.ID) error
+	// ListSnapshots returns every snapshot, sorted by ID.
+	ListSnapshots(ctx context.Context) ([]*Snapshot, error)
+}
+
+// StageRequest asks a node backend to make a volume usable on this node.
+type StageRequest struct {
+	VolumeID       volumeid.ID
+	NodeID         string
+	StagingPath    string
+	AccessType     accessmode.AccessType
+	FsType         string
+	MountFlags     []string
+	ReadOnly       bool // effective: the mode, the CO's flag and the attachment combined
+	PublishContext map[string]string
+	VolumeContext  map[string]string
+}
+
+// Staged is what a node backend did for a volume, kept in the node's state
+// so that unstage, expand and stats undo or inspect exactly that.
+type Staged struct {
+	VolumeID    string                `json:"volumeID"`
+	StagingPath string                `json:"stagingPath"`
+	AccessType  accessmode.AccessType `json:"accessType"`
+	FsType      string                `json:"fsType,omitempty"`
+	ReadOnly    bool                  `json:"readOnly"`
+	// Device is the block device for access type block (and the device
+	// behind the staging mount for block-backed filesystems).
+	Device string `json:"device,omitempty"`
+	// Fingerprint identifies the stage arguments: a second stage with other
+	// arguments is ALREADY_EXISTS.
+	Fingerprint string    `json:"fingerprint"`
+	Since       time.Time `json:"since"`
+}
+
+// Node is the node-side half of a backend.
+type Node interface {
+	Backend() accessmode.Backend
+	// Stage attaches and mounts the volume at req.StagingPath (mount) or
+	// attaches it and reports its device (block). It refuses with
+	// FailedPrecondition a volume that is not attached to req.NodeID.
+	Stage(ctx context.Context, req StageRequest) (*Staged, error)
+	// Unstage undoes Stage; a volume already unstaged is fine.
+	Unstage(ctx context.Context, staged *Staged) error
+	// Expand makes the node see the volume's new size (and grows the
+	// filesystem, for mount). It returns the new size in bytes.
+	Expand(ctx context.Context, staged *Staged) (int64, error)
+	// Health checks that what Stage set up is still in place and working.
+	Health(ctx context.Context, staged *Staged) Health
+}

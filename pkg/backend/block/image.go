@@ -1,0 +1,173 @@
+package block
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// Filesystems the node can format and grow; anything else would need tools
+// the image does not ship.
+const (
+	fsExt4      = "ext4"
+	fsXFS       = "xfs"
+	defaultFs   = fsExt4
+	sectorBytes = 512 // unit of stat's Blocks, whatever the filesystem's block size
+)
+
+func checkFsType(fsType string) error {
+	switch fsType {
+	case "", fsExt4, fsXFS:
+		return nil
+	}
+	return status.Errorf(codes.InvalidArgument, "fs type %q is not supported by the block backend; use ext4 or xfs", fsType)
+}
+
+func fsOrDefault(fsType string) string {
+	if fsType == "" {
+		return defaultFs
+	}
+	return fsType
+}
+
+// outstanding is what a volume may still take from its pool: the part of
+// its capacity its sparse image has not allocated yet.
+func outstanding(capacity, allocated int64) int64 {
+	if d := capacity - allocated; d > 0 {
+		return d
+	}
+	return 0
+}
+
+// spare is what a pool can promise a new volume: the free space minus
+// everything already promised to existing volumes and to operations in
+// flight, never negative.
+func spare(free int64, promised []int64, reserved int64) int64 {
+	left := free - reserved
+	for _, p := range promised {
+		left -= p
+	}
+	if left < 0 {
+		return 0
+	}
+	return left
+}
+
+// freeBytes is what an unprivileged writer could still store in dir.
+// Bavail rather than Bfree: promising volumes the filesystem's root reserve
+// would leave the pool's host without its safety margin.
+func freeBytes(dir string) (int64, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return 0, err
+	}
+	return int64(st.Bavail) * int64(st.Bsize), nil
+}
+
+// allocatedBytes is the space a file really occupies; an absent file
+// occupies nothing.
+func allocatedBytes(path string) (int64, error) {
+	fi, err := os.Stat(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return fi.Size(), nil
+	}
+	return st.Blocks * sectorBytes, nil
+}
+
+// tempName reserves a temporary file next to final, so the rename that
+// publishes it stays within one filesystem and is atomic.
+func tempName(final string) (string, error) {
+	f, err := os.CreateTemp(filepath.Dir(final), "."+filepath.Base(final)+tempMarker+"*")
+	if err != nil {
+		return "", err
+	}
+	name := f.Name()
+	if err := f.Close(); err != nil {
+		os.Remove(name)
+		return "", err
+	}
+	return name, nil
+}
+
+// copyImage copies src over dst sharing extents where the filesystem can
+// (reflink on xfs and btrfs) and keeping holes everywhere else, so copies of
+// mostly empty volumes stay cheap.
+func copyImage(ctx context.Context, src, dst string) error {
+	out, err := run(ctx, "cp", "--reflink=auto", "--sparse=always", "--", src, dst)
+	if err != nil {
+		if bytes.Contains(out, []byte("No space left on device")) {
+			return status.Errorf(codes.ResourceExhausted, "copying %s: %v", filepath.Base(src), err)
+		}
+		return status.Errorf(codes.Internal, "copying %s: %v", filepath.Base(src), err)
+	}
+	return nil
+}
+
+// growAndSync makes path at least size bytes long (holes only, no blocks
+// allocated) and forces its data and size to disk.
+func growAndSync(path string, size int64) error {
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		return err
+	}
+	fi, err := f.Stat()
+	if err == nil && fi.Size() < size {
+		err = f.Truncate(size)
+	}
+	if err == nil {
+		err = f.Chmod(0o600)
+	}
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// mkfs formats an image file in place.
+func mkfs(ctx context.Context, fsType, image string) error {
+	var args []string
+	switch fsType {
+	case fsExt4:
+		// -m0: a volume belongs to one workload; root's reserve would only
+		// hide space from it.
+		args = []string{"-F", "-q", "-m0", image}
+	case fsXFS:
+		args = []string{"-f", "-q", image}
+	default:
+		return status.Errorf(codes.InvalidArgument, "cannot format %q", fsType)
+	}
+	if _, err := run(ctx, "mkfs."+fsType, args...); err != nil {
+		return status.Errorf(codes.Internal, "formatting new volume as %s: %v", fsType, err)
+	}
+	return nil
+}
+
+// run executes a command without a shell. The error carries the command
+// line and its combined output, which is where these tools explain.
+func run(ctx context.Context, name string, args ...string) ([]byte, error) {
+	out, err := exec.CommandContext(ctx, name, args...).CombinedOutput()
+	if err != nil {
+		return out, fmt.Errorf("%s %s: %v: %s", name, strings.Join(args, " "), err, strings.TrimSpace(string(out)))
+	}
+	return out, nil
+}

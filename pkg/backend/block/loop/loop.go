@@ -1,0 +1,229 @@
+// Package loop attaches image files as loop devices and answers questions
+// about loop devices from sysfs.
+//
+// Several node processes on one machine may attach the same image, each to
+// its own loop device, so a device is only ever identified by what it is
+// bound to right now (its backing file), never by a name remembered from
+// earlier: the kernel hands a freed loopN to the next caller.
+package loop
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+)
+
+var devicePattern = regexp.MustCompile(`^/dev/loop[0-9]+$`)
+
+// deletedSuffix is what the kernel appends to a backing file's path once the
+// file has been unlinked while still bound.
+const deletedSuffix = " (deleted)"
+
+const sysBlock = "/sys/block"
+
+// ValidDevice reports whether dev names a loop device node. Everything that
+// takes a device path checks this first, so a corrupted state file cannot
+// make the driver run losetup against an arbitrary block device.
+func ValidDevice(dev string) bool { return devicePattern.MatchString(dev) }
+
+// Device is an attached loop device.
+type Device struct {
+	Path string
+	// DirectIO is false when the backing filesystem cannot do O_DIRECT
+	// (ramfs, some FUSE filesystems) and the device uses the page cache.
+	DirectIO bool
+	ReadOnly bool
+}
+
+// Attach binds image to a free loop device. It asks for direct I/O, because
+// without it every block is cached twice (once for the image file, once
+// for the loop device), and falls back to buffered I/O where the
+// filesystem holding the image refuses O_DIRECT.
+func Attach(ctx context.Context, image string, readOnly bool) (Device, error) {
+	args := []string{"--find", "--show"}
+	if readOnly {
+		args = append(args, "--read-only")
+	}
+	stdout, dioErr := run(ctx, "losetup", append(append([]string{}, args...), "--direct-io=on", image)...)
+	if dioErr == nil {
+		dev, err := describe(firstLine(stdout), readOnly)
+		if err == nil && !dev.DirectIO {
+			// Older kernels accept the flag and quietly drop it.
+			klog.InfoS("Kernel turned direct I/O off for loop device, using buffered I/O", "image", image, "device", dev.Path)
+		}
+		return dev, err
+	}
+	// Some losetup versions print the device and then fail to switch on
+	// direct I/O, leaving it bound; release it before trying again.
+	if dev := firstLine(stdout); ValidDevice(dev) {
+		if _, err := DetachIfBackedBy(ctx, dev, image); err != nil {
+			return Device{}, fmt.Errorf("releasing %s after a failed direct-I/O attach: %w (attach: %v)", dev, err, dioErr)
+		}
+	}
+	stdout, err := run(ctx, "losetup", append(args, image)...)
+	if err != nil {
+		return Device{}, fmt.Errorf("%w (with direct I/O: %v)", err, dioErr)
+	}
+	dev, err := describe(firstLine(stdout), readOnly)
+	if err == nil {
+		klog.InfoS("Direct I/O refused for image, attached with buffered I/O", "image", image, "device", dev.Path, "directIOError", dioErr.Error())
+	}
+	return dev, err
+}
+
+func describe(dev string, readOnly bool) (Device, error) {
+	if !ValidDevice(dev) {
+		return Device{}, fmt.Errorf("losetup reported %q, not a loop device", dev)
+	}
+	d := Device{Path: dev, ReadOnly: readOnly}
+	if v, err := readSys(dev, "loop/dio"); err == nil {
+		d.DirectIO = v == "1"
+	}
+	return d, nil
+}
+
+// BackingFile returns the file dev is bound to, with the kernel's
+// " (deleted)" marker if the file was unlinked, or "" if dev is not bound
+// (or does not exist).
+func BackingFile(dev string) (string, error) {
+	if !ValidDevice(dev) {
+		return "", fmt.Errorf("%q is not a loop device", dev)
+	}
+	v, err := readSys(dev, "loop/backing_file")
+	if errors.Is(err, os.ErrNotExist) {
+		return "", nil
+	}
+	return v, err
+}
+
+// IsBackedBy reports whether dev is bound to image right now, also when the
+// image has been unlinked since. The kernel records the path with symlinks
+// resolved, so image's directory is resolved the same way before comparing.
+func IsBackedBy(dev, image string) (bool, error) {
+	backing, err := BackingFile(dev)
+	if err != nil || backing == "" {
+		return false, err
+	}
+	want, err := canonical(image)
+	if err != nil {
+		return false, err
+	}
+	return backing == want || backing == want+deletedSuffix, nil
+}
+
+func canonical(path string) (string, error) {
+	abs, err := filepath.Abs(path)
+	if err != nil {
+		return "", err
+	}
+	dir, err := filepath.EvalSymlinks(filepath.Dir(abs))
+	if err != nil {
+		return "", err
+	}
+	return filepath.Join(dir, filepath.Base(abs)), nil
+}
+
+// DetachIfBackedBy detaches dev only if it is bound to image, so a device
+// that has since been handed to someone else is never taken from them. It
+// reports whether it detached anything.
+func DetachIfBackedBy(ctx context.Context, dev, image string) (bool, error) {
+	ours, err := IsBackedBy(dev, image)
+	if err != nil || !ours {
+		return false, err
+	}
+	if _, err := run(ctx, "losetup", "--detach", dev); err != nil {
+		// Detached by someone else in the meantime: the goal is reached.
+		if backing, berr := BackingFile(dev); berr == nil && backing == "" {
+			return false, nil
+		}
+		return false, err
+	}
+	return true, nil
+}
+
+// Refresh makes dev pick up a new size of its backing file.
+func Refresh(ctx context.Context, dev string) error {
+	if !ValidDevice(dev) {
+		return fmt.Errorf("%q is not a loop device", dev)
+	}
+	_, err := run(ctx, "losetup", "--set-capacity", dev)
+	return err
+}
+
+// Size is the size of the block device in bytes, as the kernel sees it.
+func Size(dev string) (int64, error) {
+	f, err := os.Open(dev)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	var size uint64
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), unix.BLKGETSIZE64, uintptr(unsafe.Pointer(&size))); errno != 0 {
+		return 0, fmt.Errorf("BLKGETSIZE64 on %s: %w", dev, errno)
+	}
+	return int64(size), nil
+}
+
+// Attached is one bound loop device.
+type Attached struct {
+	Device      string
+	BackingFile string
+}
+
+// List returns every bound loop device on the machine.
+func List() ([]Attached, error) {
+	entries, err := os.ReadDir(sysBlock)
+	if err != nil {
+		return nil, err
+	}
+	var out []Attached
+	for _, e := range entries {
+		dev := "/dev/" + e.Name()
+		if !ValidDevice(dev) {
+			continue
+		}
+		backing, err := BackingFile(dev)
+		if err != nil {
+			return nil, err
+		}
+		if backing != "" {
+			out = append(out, Attached{Device: dev, BackingFile: backing})
+		}
+	}
+	return out, nil
+}
+
+func readSys(dev, attr string) (string, error) {
+	data, err := os.ReadFile(filepath.Join(sysBlock, filepath.Base(dev), attr))
+	if err != nil {
+		return "", err
+	}
+	return strings.TrimRight(string(data), "\n"), nil
+}
+
+func firstLine(b []byte) string {
+	line, _, _ := strings.Cut(string(b), "\n")
+	return strings.TrimSpace(line)
+}
+
+// run executes a command without a shell and returns its stdout; a failure
+// carries the command line and its stderr, which is where losetup explains.
+func run(ctx context.Context, name string, args ...string) ([]byte, error) {
+	cmd := exec.CommandContext(ctx, name, args...)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		return stdout.Bytes(), fmt.Errorf("%s %s: %v: %s", name, strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
+	}
+	return stdout.Bytes(), nil
+}

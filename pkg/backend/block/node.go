@@ -1,0 +1,366 @@
+package block
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/backend/block/loop"
+	"github.com/modeguard/modeguard/pkg/fsutil"
+	"github.com/modeguard/modeguard/pkg/volumeid"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
+	mount "k8s.io/mount-utils"
+	utilexec "k8s.io/utils/exec"
+)
+
+var _ backend.Node = (*Node)(nil)
+
+// Node attaches images from the pools as loop devices and mounts them. It
+// never writes to a pool: what it may do is decided by the metadata the
+// controller wrote.
+type Node struct {
+	pools   map[string]*pool
+	zones   []string
+	mounter *mount.SafeFormatAndMount
+	resizer *mount.ResizeFs
+}
+
+// NewNode opens the same pools as the controller, read-only.
+func NewNode(pools map[string]string) (*Node, error) {
+	parsed, zones, err := parsePools(pools)
+	if err != nil {
+		return nil, err
+	}
+	exec := utilexec.New()
+	return &Node{
+		pools:   parsed,
+		zones:   zones,
+		mounter: mount.NewSafeFormatAndMount(mount.New(""), exec),
+		resizer: mount.NewResizeFs(exec),
+	}, nil
+}
+
+// Backend names the backend.
+func (n *Node) Backend() accessmode.Backend { return accessmode.BackendBlock }
+
+// locate finds a volume's pool and image on this node. A zone without a
+// pool here is a scheduling problem, not a missing volume.
+func (n *Node) locate(id volumeid.ID) (*pool, string, error) {
+	if id.Backend != accessmode.BackendBlock || id.Kind != volumeid.Volume {
+		return nil, "", status.Errorf(codes.InvalidArgument, "%s is not a block volume id", id)
+	}
+	p, ok := n.pools[id.Zone]
+	if !ok {
+		return nil, "", status.Errorf(codes.FailedPrecondition,
+			"this node has no block pool for zone %q (it has: %s); the volume can only be staged on nodes in its zone", id.Zone, strings.Join(n.zones, ", "))
+	}
+	image, err := p.imagePath(id)
+	if err != nil {
+		return nil, "", status.Error(codes.Internal, err.Error())
+	}
+	return p, image, nil
+}
+
+func (n *Node) readVolume(p *pool, id volumeid.ID) (*backend.Volume, error) {
+	metaPath, err := p.metaPath(id)
+	if err != nil {
+		return nil, status.Error(codes.Internal, err.Error())
+	}
+	var v backend.Volume
+	if err := fsutil.ReadJSON(metaPath, &v); err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, status.Errorf(codes.NotFound, "volume %s does not exist", id)
+		}
+		return nil, status.Errorf(codes.Internal, "reading metadata of %s: %v", id, err)
+	}
+	return &v, nil
+}
+
+// Stage attaches the volume's image as a loop device (read-only when the
+// stage is) and, for access type mount, formats it on first use and mounts
+// it at the staging path. It refuses a node the controller has not
+// attached: the pool is shared, so this check is what keeps a node from
+// using a volume ControllerPublishVolume never granted it.
+func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.Staged, error) {
+	p, image, err := n.locate(req.VolumeID)
+	if err != nil {
+		return nil, err
+	}
+	vol, err := n.readVolume(p, req.VolumeID)
+	if err != nil {
+		return nil, err
+	}
+	if !attachedTo(vol.Attachments, req.NodeID) {
+		return nil, status.Errorf(codes.FailedPrecondition,
+			"volume %s is not attached to node %s (attached to: %s); ControllerPublishVolume must succeed first",
+			vol.ID, req.NodeID, describeAttachments(vol.Attachments))
+	}
+	if req.AccessType != vol.AccessType {
+		return nil, status.Errorf(codes.FailedPrecondition,
+			"volume %s was created for access type %s, not %s", vol.ID, vol.AccessType, req.AccessType)
+	}
+	fsType := ""
+	if req.AccessType == accessmode.Mount {
+		fsType = req.FsType
+		if fsType == "" {
+			fsType = vol.FsType
+		}
+		fsType = fsOrDefault(fsType)
+		if err := checkFsType(fsType); err != nil {
+			return nil, err
+		}
+		if err := fsutil.CheckCOPath("staging path", req.StagingPath); err != nil {
+			return nil, status.Error(codes.InvalidArgument, err.Error())
+		}
+		if staged, err := n.alreadyStaged(req, image, fsType); staged != nil || err != nil {
+			return staged, err
+		}
+	}
+	if _, err := os.Stat(image); err != nil {
+		return nil, status.Errorf(codes.Internal, "image of volume %s: %v", vol.ID, err)
+	}
+
+	dev, err := loop.Attach(ctx, image, req.ReadOnly)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "attaching volume %s: %v", vol.ID, err)
+	}
+	staged := &backend.Staged{
+		VolumeID:    vol.ID,
+		StagingPath: req.StagingPath,
+		AccessType:  req.AccessType,
+		FsType:      fsType,
+		ReadOnly:    req.ReadOnly,
+		Device:      dev.Path,
+		Since:       time.Now().UTC(),
+	}
+	if req.AccessType == accessmode.Block {
+		return staged, nil
+	}
+	if err := n.mountStaged(ctx, staged, req.MountFlags); err != nil {
+		if _, derr := loop.DetachIfBackedBy(context.WithoutCancel(ctx), dev.Path, image); derr != nil {
+			klog.ErrorS(derr, "Detaching loop device after a failed stage", "volumeID", vol.ID, "device", dev.Path)
+		}
+		return nil, err
+	}
+	return staged, nil
+}
+
+// alreadyStaged recognises a staging path that already holds this
+// volume's filesystem (a stage retried after the node plugin restarted)
+// and reports it instead of attaching the image a second time.
+func (n *Node) alreadyStaged(req backend.StageRequest, image, fsType string) (*backend.Staged, error) {
+	notMnt, err := n.mounter.IsLikelyNotMountPoint(req.StagingPath)
+	if err != nil || notMnt {
+		return nil, nil // absent or a plain directory: stage normally
+	}
+	dev, _, err := mount.GetDeviceNameFromMount(n.mounter, req.StagingPath)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "inspecting staging path %s: %v", req.StagingPath, err)
+	}
+	if loop.ValidDevice(dev) {
+		if ours, _ := loop.IsBackedBy(dev, image); ours {
+			return &backend.Staged{
+				VolumeID: req.VolumeID.String(), StagingPath: req.StagingPath, AccessType: req.AccessType,
+				FsType: fsType, ReadOnly: req.ReadOnly, Device: dev, Since: time.Now().UTC(),
+			}, nil
+		}
+	}
+	return nil, status.Errorf(codes.AlreadyExists, "staging path %s already has %s mounted on it, not volume %s", req.StagingPath, dev, req.VolumeID)
+}
+
+// mountStaged formats (first use only) and mounts the staged device.
+func (n *Node) mountStaged(ctx context.Context, staged *backend.Staged, mountFlags []string) error {
+	existing, err := n.mounter.GetDiskFormat(staged.Device)
+	if err != nil {
+		return status.Errorf(codes.Internal, "probing volume %s: %v", staged.VolumeID, err)
+	}
+	switch {
+	case existing == "" && staged.ReadOnly:
+		return status.Errorf(codes.FailedPrecondition,
+			"volume %s has no filesystem yet and this stage is read-only; stage it once read/write so it can be formatted", staged.VolumeID)
+	case existing != "" && existing != staged.FsType:
+		return status.Errorf(codes.FailedPrecondition,
+			"volume %s holds a %s filesystem, not %s", staged.VolumeID, existing, staged.FsType)
+	}
+	if err := os.MkdirAll(staged.StagingPath, 0o750); err != nil {
+		return status.Errorf(codes.Internal, "creating staging path: %v", err)
+	}
+	if err := n.mounter.FormatAndMount(staged.Device, staged.StagingPath, staged.FsType, mountOptions(staged.FsType, staged.ReadOnly, mountFlags)); err != nil {
+		return status.Errorf(codes.Internal, "mounting volume %s at %s: %v", staged.VolumeID, staged.StagingPath, err)
+	}
+	if staged.ReadOnly || existing == "" {
+		return nil
+	}
+	// A volume restored or cloned into a larger capacity brings a
+	// filesystem sized for its source; let it fill the device.
+	if _, err := n.resizer.Resize(staged.Device, staged.StagingPath); err != nil {
+		if uerr := n.mounter.Unmount(staged.StagingPath); uerr != nil {
+			klog.ErrorS(uerr, "Unmounting after a failed resize", "stagingPath", staged.StagingPath)
+		}
+		return status.Errorf(codes.Internal, "growing filesystem of volume %s: %v", staged.VolumeID, err)
+	}
+	return nil
+}
+
+// mountOptions puts the driver's options after the CO's, so that "ro" wins
+// over a stray "rw" in the mount flags.
+func mountOptions(fsType string, readOnly bool, mountFlags []string) []string {
+	opts := slices.Clone(mountFlags)
+	if fsType == fsXFS {
+		// Clones and snapshots keep their source's filesystem UUID, and XFS
+		// refuses to mount a second filesystem with a UUID already mounted.
+		opts = append(opts, "nouuid")
+	}
+	if readOnly {
+		opts = append(opts, "ro")
+		// A read-only device cannot have its journal replayed; without
+		// these the mount of an uncleanly unmounted filesystem fails.
+		switch fsType {
+		case fsExt4:
+			opts = append(opts, "noload")
+		case fsXFS:
+			opts = append(opts, "norecovery")
+		}
+	}
+	return opts
+}
+
+func attachedTo(attachments []accessmode.Attachment, nodeID string) bool {
+	for _, a := range attachments {
+		if a.NodeID == nodeID {
+			return true
+		}
+	}
+	return false
+}
+
+func describeAttachments(attachments []accessmode.Attachment) string {
+	if len(attachments) == 0 {
+		return "no node"
+	}
+	names := make([]string, 0, len(attachments))
+	for _, a := range attachments {
+		names = append(names, a.NodeID)
+	}
+	return strings.Join(names, ", ")
+}
+
+// Unstage unmounts the staging path and detaches the loop device, but only
+// a loop device still bound to this volume's image: the kernel reuses
+// device names, and another volume's device must never be taken away.
+func (n *Node) Unstage(ctx context.Context, staged *backend.Staged) error {
+	id, err := volumeid.ParseKind(staged.VolumeID, volumeid.Volume)
+	if err != nil {
+		return status.Errorf(codes.InvalidArgument, "staged volume id: %v", err)
+	}
+	_, image, err := n.locate(id)
+	if err != nil {
+		return err
+	}
+	dev := staged.Device
+	if staged.AccessType == accessmode.Mount && staged.StagingPath != "" {
+		notMnt, err := n.mounter.IsLikelyNotMountPoint(staged.StagingPath)
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			return status.Errorf(codes.Internal, "inspecting staging path %s: %v", staged.StagingPath, err)
+		}
+		if err == nil && !notMnt {
+			if dev == "" {
+				dev, _, _ = mount.GetDeviceNameFromMount(n.mounter, staged.StagingPath)
+			}
+			if err := n.mounter.Unmount(staged.StagingPath); err != nil {
+				return status.Errorf(codes.Internal, "unmounting %s: %v", staged.StagingPath, err)
+			}
+		}
+	}
+	if dev == "" {
+		return nil
+	}
+	if !loop.ValidDevice(dev) {
+		return status.Errorf(codes.Internal, "staged device %q is not a loop device; refusing to touch it", dev)
+	}
+	if _, err := loop.DetachIfBackedBy(ctx, dev, image); err != nil {
+		return status.Errorf(codes.Internal, "detaching %s: %v", dev, err)
+	}
+	return nil
+}
+
+// Expand makes the loop device pick up the image's new size and, for a
+// writable mount, grows the filesystem into it.
+func (n *Node) Expand(ctx context.Context, staged *backend.Staged) (int64, error) {
+	id, err := volumeid.ParseKind(staged.VolumeID, volumeid.Volume)
+	if err != nil {
+		return 0, status.Errorf(codes.InvalidArgument, "staged volume id: %v", err)
+	}
+	_, image, err := n.locate(id)
+	if err != nil {
+		return 0, err
+	}
+	ours, err := loop.IsBackedBy(staged.Device, image)
+	if err != nil {
+		return 0, status.Errorf(codes.Internal, "inspecting %s: %v", staged.Device, err)
+	}
+	if !ours {
+		return 0, status.Errorf(codes.FailedPrecondition, "volume %s is not attached at %s any more; stage it again", staged.VolumeID, staged.Device)
+	}
+	if err := loop.Refresh(ctx, staged.Device); err != nil {
+		return 0, status.Errorf(codes.Internal, "refreshing size of %s: %v", staged.Device, err)
+	}
+	if staged.AccessType == accessmode.Mount && !staged.ReadOnly {
+		if _, err := n.resizer.Resize(staged.Device, staged.StagingPath); err != nil {
+			return 0, status.Errorf(codes.Internal, "growing filesystem of volume %s: %v", staged.VolumeID, err)
+		}
+	}
+	size, err := loop.Size(staged.Device)
+	if err != nil {
+		return 0, status.Errorf(codes.Internal, "reading size of %s: %v", staged.Device, err)
+	}
+	return size, nil
+}
+
+// Health checks that the image, the loop device bound to it and (for
+// mount) the staging mount on that device are all still in place.
+func (n *Node) Health(ctx context.Context, staged *backend.Staged) backend.Health {
+	id, err := volumeid.ParseKind(staged.VolumeID, volumeid.Volume)
+	if err != nil {
+		return backend.Health{Abnormal: true, Reason: "InvalidVolumeID", Message: err.Error()}
+	}
+	_, image, err := n.locate(id)
+	if err != nil {
+		return backend.Health{Abnormal: true, Reason: "NoPool", Message: status.Convert(err).Message()}
+	}
+	if _, err := os.Stat(image); err != nil {
+		return backend.Health{Abnormal: true, Reason: "ImageMissing", Message: fmt.Sprintf("the volume's image is gone: %v", err)}
+	}
+	backing, err := loop.BackingFile(staged.Device)
+	switch {
+	case err != nil:
+		return backend.Health{Abnormal: true, Reason: "LoopDeviceUnreadable", Message: err.Error()}
+	case backing == "":
+		return backend.Health{Abnormal: true, Reason: "LoopDeviceDetached", Message: fmt.Sprintf("loop device %s is no longer attached", staged.Device)}
+	}
+	if ours, err := loop.IsBackedBy(staged.Device, image); err != nil || !ours {
+		return backend.Health{Abnormal: true, Reason: "LoopDeviceReassigned", Message: fmt.Sprintf("loop device %s is now backed by %s, not by the volume's image", staged.Device, backing)}
+	}
+	if strings.HasSuffix(backing, " (deleted)") {
+		return backend.Health{Abnormal: true, Reason: "ImageReplaced", Message: fmt.Sprintf("loop device %s is backed by a deleted copy of the volume's image", staged.Device)}
+	}
+	if staged.AccessType == accessmode.Mount {
+		notMnt, err := n.mounter.IsLikelyNotMountPoint(staged.StagingPath)
+		if err != nil || notMnt {
+			return backend.Health{Abnormal: true, Reason: "StagingPathNotMounted", Message: fmt.Sprintf("staging path %s is no longer a mount point", staged.StagingPath)}
+		}
+		dev, _, err := mount.GetDeviceNameFromMount(n.mounter, staged.StagingPath)
+		if err == nil && dev != staged.Device {
+			return backend.Health{Abnormal: true, Reason: "StagingPathMountedElsewhere", Message: fmt.Sprintf("staging path %s has %s mounted, not %s", staged.StagingPath, dev, staged.Device)}
+		}
+	}
+	return backend.Health{Message: fmt.Sprintf("attached at %s", staged.Device)}
+}

@@ -1,0 +1,96 @@
+package driver
+
+import (
+	"fmt"
+	"slices"
+	"sort"
+	"strings"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// StorageClass parameter keys.
+const (
+	ParamBackend = "backend"
+	ParamFsType  = "fsType"
+)
+
+// Backend choices for ParamBackend.
+const (
+	BackendAuto = "auto"
+)
+
+// Keys with this prefix are set by Kubernetes' sidecars (PVC name, namespace,
+// fstype, secret names) and are accepted without being interpreted.
+const kubernetesParamPrefix = "csi.storage.k8s.io/"
+
+var acceptedParams = []string{ParamBackend, ParamFsType}
+
+// Supported filesystems, in order of preference.
+var supportedFsTypes = []string{"ext4", "xfs"}
+
+// DefaultFsType is used when neither the capability nor the parameters name one.
+const DefaultFsType = "ext4"
+
+// Params are a StorageClass's parameters, parsed and checked up front.
+type Params struct {
+	Backend string // block, nfs or auto
+	FsType  string // empty: decided by the capability or the default
+}
+
+// ParseParams rejects unknown keys and bad values with InvalidArgument,
+// naming what is accepted.
+func ParseParams(in map[string]string) (Params, error) {
+	p := Params{Backend: BackendAuto}
+	keys := make([]string, 0, len(in))
+	for k := range in {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		v := in[k]
+		switch {
+		case strings.HasPrefix(k, kubernetesParamPrefix):
+			if k == kubernetesParamPrefix+"fstype" && v != "" {
+				if err := checkFsType(v); err != nil {
+					return Params{}, err
+				}
+				p.FsType = v
+			}
+		case k == ParamBackend:
+			if !slices.Contains([]string{"block", "nfs", BackendAuto}, v) {
+				return Params{}, status.Errorf(codes.InvalidArgument,
+					"parameter %s=%q is not accepted; accepted values: block, nfs, auto", k, v)
+			}
+			p.Backend = v
+		case k == ParamFsType:
+			if err := checkFsType(v); err != nil {
+				return Params{}, err
+			}
+			p.FsType = v
+		default:
+			return Params{}, status.Errorf(codes.InvalidArgument,
+				"parameter %q is not known; accepted keys: %s, and any key starting with %q",
+				k, strings.Join(acceptedParams, ", "), kubernetesParamPrefix)
+		}
+	}
+	return p, nil
+}
+
+func checkFsType(fs string) error {
+	if !slices.Contains(supportedFsTypes, fs) {
+		return status.Errorf(codes.InvalidArgument,
+			"filesystem type %q is not supported; accepted: %s", fs, strings.Join(supportedFsTypes, ", "))
+	}
+	return nil
+}
+
+// describeModes lists modes for messages.
+func describeModes[T fmt.Stringer](modes []T) string {
+	names := make([]string, len(modes))
+	for i, m := range modes {
+		names[i] = m.String()
+	}
+	return strings.Join(names, ", ")
+}

@@ -1,0 +1,87 @@
+package driver
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/kubernetes-csi/csi-lib-utils/protosanitizer"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
+)
+
+// Listen opens the endpoint: unix:///path/to/socket or tcp://host:port.
+// A stale socket file is replaced; the socket is made 0660, so only root and
+// the socket's group can reach the driver.
+func Listen(endpoint string) (net.Listener, error) {
+	u, err := url.Parse(endpoint)
+	if err != nil {
+		return nil, fmt.Errorf("endpoint %q: %w", endpoint, err)
+	}
+	switch u.Scheme {
+	case "unix":
+		path := u.Path
+		if u.Host != "" {
+			path = filepath.Join(u.Host, u.Path) // unix://relative/path
+		}
+		if path == "" {
+			return nil, fmt.Errorf("endpoint %q names no socket path", endpoint)
+		}
+		if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
+			return nil, err
+		}
+		if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
+			return nil, fmt.Errorf("removing stale socket %s: %w", path, err)
+		}
+		l, err := net.Listen("unix", path)
+		if err != nil {
+			return nil, err
+		}
+		if err := os.Chmod(path, 0o660); err != nil {
+			l.Close()
+			return nil, err
+		}
+		return l, nil
+	case "tcp":
+		if u.Host == "" {
+			return nil, fmt.Errorf("endpoint %q names no host:port", endpoint)
+		}
+		return net.Listen("tcp", u.Host)
+	}
+	return nil, fmt.Errorf("endpoint %q: scheme must be unix:// or tcp://", endpoint)
+}
+
+// NewGRPCServer registers the services this driver's roles call for.
+func (d *Driver) NewGRPCServer() *grpc.Server {
+	srv := grpc.NewServer(grpc.UnaryInterceptor(logCalls))
+	csi.RegisterIdentityServer(srv, &identityServer{d: d})
+	if d.HasRole(RoleController) {
+		csi.RegisterControllerServer(srv, &controllerServer{d: d})
+	}
+	if d.HasRole(RoleNode) {
+		csi.RegisterNodeServer(srv, &nodeServer{d: d})
+	}
+	return srv
+}
+
+// logCalls logs every request and response with secrets stripped, so that
+// nothing a CO passes as a secret reaches the log.
+func logCalls(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	start := time.Now()
+	klog.V(4).InfoS("Call", "method", info.FullMethod, "request", protosanitizer.StripSecrets(req))
+	resp, err := handler(ctx, req)
+	if err != nil {
+		klog.V(2).InfoS("Call failed", "method", info.FullMethod, "code", status.Code(err),
+			"error", status.Convert(err).Message(), "duration", time.Since(start))
+	} else {
+		klog.V(4).InfoS("Call done", "method", info.FullMethod, "response", protosanitizer.StripSecrets(resp),
+			"duration", time.Since(start))
+	}
+	return resp, err
+}

@@ -1,0 +1,111 @@
+// Package fsutil writes state that must survive a crash, and keeps paths
+// built from outside input inside the directories they belong to.
+package fsutil
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+)
+
+// WriteFileAtomic replaces path with data so that a crash at any moment
+// leaves either the old content or the new, never a mix: write a temporary
+// file in the same directory, fsync it, rename it over path, fsync the
+// directory so the rename itself is durable.
+func WriteFileAtomic(path string, data []byte, perm os.FileMode) error {
+	dir := filepath.Dir(path)
+	tmp, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
+	if err != nil {
+		return err
+	}
+	tmpName := tmp.Name()
+	defer os.Remove(tmpName) // a no-op once the rename has happened
+	if err := tmp.Chmod(perm); err != nil {
+		tmp.Close()
+		return err
+	}
+	if _, err := tmp.Write(data); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Sync(); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Close(); err != nil {
+		return err
+	}
+	if err := os.Rename(tmpName, path); err != nil {
+		return err
+	}
+	return SyncDir(dir)
+}
+
+// SyncDir makes the directory's entries (a rename, a removal) durable.
+func SyncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}
+
+// RemoveDurably removes path (absent is fine) and makes the removal durable.
+func RemoveDurably(path string) error {
+	if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
+		return err
+	}
+	return SyncDir(filepath.Dir(path))
+}
+
+// WriteJSONAtomic stores v as indented JSON, atomically, mode 0600.
+func WriteJSONAtomic(path string, v any) error {
+	data, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return err
+	}
+	return WriteFileAtomic(path, append(data, '\n'), 0o600)
+}
+
+// ReadJSON loads path into v. A missing file is reported with os.ErrNotExist.
+func ReadJSON(path string, v any) error {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	if err := json.Unmarshal(data, v); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	return nil
+}
+
+// JoinWithin joins a single name to base and refuses anything that would
+// leave base: separators, "..", ".", empty names, NUL bytes.
+func JoinWithin(base, name string) (string, error) {
+	if name == "" || name == "." || name == ".." || strings.ContainsAny(name, "/\x00") {
+		return "", fmt.Errorf("%q is not a plain file name", name)
+	}
+	return filepath.Join(base, name), nil
+}
+
+// CheckCOPath validates a target or staging path handed over by a CO: it
+// must be absolute, already clean, and free of NUL bytes. The driver never
+// creates or removes anything along such a path except its last element.
+func CheckCOPath(field, p string) error {
+	switch {
+	case p == "":
+		return fmt.Errorf("%s is required", field)
+	case strings.ContainsRune(p, 0):
+		return fmt.Errorf("%s contains a NUL byte", field)
+	case !filepath.IsAbs(p):
+		return fmt.Errorf("%s %q must be an absolute path", field, p)
+	case filepath.Clean(p) != p:
+		return fmt.Errorf("%s %q must be a clean path (no '..', '.', repeated or trailing '/')", field, p)
+	case p == "/":
+		return fmt.Errorf("%s must not be /", field)
+	}
+	return nil
+}
