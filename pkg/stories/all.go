@@ -180,6 +180,9 @@ func roxFromSnapshot(ctx context.Context, e *Env) error {
 		if err := e.expectWrite(vol, p.node, p.pod, "overwritten", false); err != nil {
 			return err
 		}
+		if err := e.expectRead(vol, p.node, p.pod, "reference data"); err != nil {
+			return err
+		}
 	}
 	for _, p := range []struct{ node, pod string }{{NodeA1, "reader-1"}, {NodeA2, "reader-2"}} {
 		if err := e.expect("clean up "+p.pod, e.stop(ctx, vol, p.node, p.pod), codes.OK); err != nil {
@@ -217,6 +220,9 @@ func multiNodeSingleWriter(ctx context.Context, e *Env) error {
 		return err
 	}
 	if err := e.expectWrite(vol, NodeA2, "reader", "entry 2", false); err != nil {
+		return err
+	}
+	if err := e.expectRead(vol, NodeA1, "writer", "entry 1"); err != nil {
 		return err
 	}
 	if err := e.expect("clean up the reader", e.stop(ctx, vol, NodeA2, "reader"), codes.OK); err != nil {

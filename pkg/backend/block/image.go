@@ -8,12 +8,15 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 
+	"github.com/modeguard/modeguard/pkg/backend/block/loop"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
 )
 
 // Filesystems the node can format and grow; anything else would need tools
@@ -167,7 +170,67 @@ func mkfs(ctx context.Context, fsType, image string) error {
 func run(ctx context.Context, name string, args ...string) ([]byte, error) {
 	out, err := exec.CommandContext(ctx, name, args...).CombinedOutput()
 	if err != nil {
-		return out, fmt.Errorf("%s %s: %v: %s", name, strings.Join(args, " "), err, strings.TrimSpace(string(out)))
+		return out, fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, strings.TrimSpace(string(out)))
 	}
 	return out, nil
+}
+
+// growExt4Offline grows an unmounted ext4 filesystem to fill its device,
+// and does nothing (not even the forced check) when it already does.
+func growExt4Offline(ctx context.Context, dev string) error {
+	devBytes, err := loop.Size(dev)
+	if err != nil {
+		return err
+	}
+	out, err := run(ctx, "dumpe2fs", "-h", dev)
+	if err != nil {
+		return err
+	}
+	blockCount, blockSize, err := parseExt4Geometry(string(out))
+	if err != nil {
+		return fmt.Errorf("dumpe2fs -h %s: %w", dev, err)
+	}
+	if blockCount*blockSize+blockSize > devBytes {
+		return nil
+	}
+	// resize2fs insists on a freshly checked filesystem. Exit status 1
+	// means e2fsck fixed something and the filesystem is now consistent.
+	if _, err := run(ctx, "e2fsck", "-f", "-p", dev); err != nil {
+		var exit *exec.ExitError
+		if !errors.As(err, &exit) || exit.ExitCode() != 1 {
+			return err
+		}
+	}
+	if _, err := run(ctx, "resize2fs", dev); err != nil {
+		return err
+	}
+	klog.InfoS("Grew ext4 filesystem to fill its device", "device", dev, "fromBytes", blockCount*blockSize, "toBytes", devBytes)
+	return nil
+}
+
+// parseExt4Geometry reads the block count and block size from the output
+// of dumpe2fs -h.
+func parseExt4Geometry(out string) (blockCount, blockSize int64, err error) {
+	for _, line := range strings.Split(out, "\n") {
+		key, value, ok := strings.Cut(line, ":")
+		if !ok {
+			continue
+		}
+		var target *int64
+		switch strings.TrimSpace(key) {
+		case "Block count":
+			target = &blockCount
+		case "Block size":
+			target = &blockSize
+		default:
+			continue
+		}
+		if *target, err = strconv.ParseInt(strings.TrimSpace(value), 10, 64); err != nil {
+			return 0, 0, fmt.Errorf("parsing %q: %w", line, err)
+		}
+	}
+	if blockCount <= 0 || blockSize <= 0 {
+		return 0, 0, fmt.Errorf("no block count and block size in the output")
+	}
+	return blockCount, blockSize, nil
 }

@@ -190,17 +190,25 @@ func (n *Node) mountStaged(ctx context.Context, staged *backend.Staged, mountFla
 		return status.Errorf(codes.FailedPrecondition,
 			"volume %s holds a %s filesystem, not %s", staged.VolumeID, existing, staged.FsType)
 	}
+	if existing == fsExt4 && !staged.ReadOnly {
+		// A volume restored or cloned into a larger capacity brings a
+		// filesystem sized for its source. ext4 grows before the mount,
+		// because growing it mounted needs CAP_SYS_RESOURCE, which node
+		// plugins often run without.
+		if err := growExt4Offline(ctx, staged.Device); err != nil {
+			return status.Errorf(codes.Internal, "growing filesystem of volume %s: %v", staged.VolumeID, err)
+		}
+	}
 	if err := os.MkdirAll(staged.StagingPath, 0o750); err != nil {
 		return status.Errorf(codes.Internal, "creating staging path: %v", err)
 	}
 	if err := n.mounter.FormatAndMount(staged.Device, staged.StagingPath, staged.FsType, mountOptions(staged.FsType, staged.ReadOnly, mountFlags)); err != nil {
 		return status.Errorf(codes.Internal, "mounting volume %s at %s: %v", staged.VolumeID, staged.StagingPath, err)
 	}
-	if staged.ReadOnly || existing == "" {
+	if staged.ReadOnly || existing != fsXFS {
 		return nil
 	}
-	// A volume restored or cloned into a larger capacity brings a
-	// filesystem sized for its source; let it fill the device.
+	// xfs can only grow mounted (and needs no extra capability for it).
 	if _, err := n.resizer.Resize(staged.Device, staged.StagingPath); err != nil {
 		if uerr := n.mounter.Unmount(staged.StagingPath); uerr != nil {
 			klog.ErrorS(uerr, "Unmounting after a failed resize", "stagingPath", staged.StagingPath)
@@ -315,6 +323,11 @@ func (n *Node) Expand(ctx context.Context, staged *backend.Staged) (int64, error
 	}
 	if staged.AccessType == accessmode.Mount && !staged.ReadOnly {
 		if _, err := n.resizer.Resize(staged.Device, staged.StagingPath); err != nil {
+			if strings.Contains(err.Error(), "Permission denied to resize filesystem") {
+				return 0, status.Errorf(codes.FailedPrecondition,
+					"growing the mounted ext4 filesystem of volume %s needs CAP_SYS_RESOURCE, which the node plugin lacks; "+
+						"the device has grown, and the filesystem grows when the volume is next staged: %v", staged.VolumeID, err)
+			}
 			return 0, status.Errorf(codes.Internal, "growing filesystem of volume %s: %v", staged.VolumeID, err)
 		}
 	}

@@ -1,0 +1,253 @@
+package loop
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+const mib = int64(1) << 20
+
+// scratch is a directory whose loop devices and mounts are released when
+// the test ends, whatever happened.
+func scratch(t *testing.T) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: attaches loop devices")
+	}
+	dir, err := filepath.EvalSymlinks(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		all, _ := List()
+		for _, a := range all {
+			if strings.HasPrefix(a.BackingFile, dir+"/") {
+				if out, err := exec.Command("losetup", "--detach", a.Device).CombinedOutput(); err != nil {
+					t.Errorf("cleanup: losetup -d %s: %v: %s", a.Device, err, out)
+				}
+			}
+		}
+	})
+	return dir
+}
+
+func sparseFile(t *testing.T, path string, size int64) {
+	t.Helper()
+	if err := os.WriteFile(path, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(path, size); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func attached(t *testing.T, dir string) []Attached {
+	t.Helper()
+	all, err := List()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []Attached
+	for _, a := range all {
+		if strings.HasPrefix(a.BackingFile, dir+"/") {
+			out = append(out, a)
+		}
+	}
+	return out
+}
+
+func TestValidDevice(t *testing.T) {
+	for dev, want := range map[string]bool{
+		"/dev/loop0":     true,
+		"/dev/loop127":   true,
+		"/dev/loop":      false,
+		"/dev/sda":       false,
+		"/dev/loop0p1":   false,
+		"/dev/../loop0":  false,
+		"loop0":          false,
+		"/dev/loop1\n":   false,
+		"/dev/loop-ctrl": false,
+	} {
+		if got := ValidDevice(dev); got != want {
+			t.Errorf("ValidDevice(%q) = %v, want %v", dev, got, want)
+		}
+	}
+}
+
+func TestAttachSizeRefreshAndDetach(t *testing.T) {
+	dir := scratch(t)
+	ctx := context.Background()
+	image := filepath.Join(dir, "a.img")
+	sparseFile(t, image, 16*mib)
+
+	dev, err := Attach(ctx, image, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !dev.DirectIO {
+		t.Errorf("%s on %s uses buffered I/O; this filesystem supports O_DIRECT", dev.Path, dir)
+	}
+	if ours, err := IsBackedBy(dev.Path, image); err != nil || !ours {
+		t.Fatalf("IsBackedBy = %v, %v", ours, err)
+	}
+	if size, err := Size(dev.Path); err != nil || size != 16*mib {
+		t.Fatalf("Size = %d, %v; want %d", size, err, 16*mib)
+	}
+	if err := os.Truncate(image, 32*mib); err != nil {
+		t.Fatal(err)
+	}
+	if err := Refresh(ctx, dev.Path); err != nil {
+		t.Fatal(err)
+	}
+	if size, _ := Size(dev.Path); size != 32*mib {
+		t.Fatalf("size after Refresh = %d, want %d", size, 32*mib)
+	}
+	if ro, _ := readSys(dev.Path, "ro"); ro != "0" {
+		t.Fatalf("read/write attach is read-only (%q)", ro)
+	}
+
+	other := filepath.Join(dir, "b.img")
+	sparseFile(t, other, 16*mib)
+	if done, err := DetachIfBackedBy(ctx, dev.Path, other); err != nil || done {
+		t.Fatalf("detached a device bound to another image: %v, %v", done, err)
+	}
+	if done, err := DetachIfBackedBy(ctx, dev.Path, image); err != nil || !done {
+		t.Fatalf("DetachIfBackedBy = %v, %v", done, err)
+	}
+	if backing, err := BackingFile(dev.Path); err != nil || backing != "" {
+		t.Fatalf("after detach, backing = %q, %v", backing, err)
+	}
+	if done, err := DetachIfBackedBy(ctx, dev.Path, image); err != nil || done {
+		t.Fatalf("second detach: %v, %v", done, err)
+	}
+	if left := attached(t, dir); len(left) != 0 {
+		t.Fatalf("left attached: %v", left)
+	}
+}
+
+func TestAttachReadOnly(t *testing.T) {
+	dir := scratch(t)
+	image := filepath.Join(dir, "ro.img")
+	sparseFile(t, image, 8*mib)
+	dev, err := Attach(context.Background(), image, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ro, _ := readSys(dev.Path, "ro"); ro != "1" || !dev.ReadOnly {
+		t.Fatalf("read-only attach: sysfs ro=%q, Device.ReadOnly=%v", ro, dev.ReadOnly)
+	}
+	if _, err := DetachIfBackedBy(context.Background(), dev.Path, image); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestIsBackedByRecognisesAnUnlinkedImage(t *testing.T) {
+	dir := scratch(t)
+	image := filepath.Join(dir, "gone.img")
+	sparseFile(t, image, 8*mib)
+	dev, err := Attach(context.Background(), image, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(image); err != nil {
+		t.Fatal(err)
+	}
+	backing, _ := BackingFile(dev.Path)
+	if !strings.HasSuffix(backing, deletedSuffix) {
+		t.Fatalf("backing file %q lacks the deleted marker", backing)
+	}
+	if done, err := DetachIfBackedBy(context.Background(), dev.Path, image); err != nil || !done {
+		t.Fatalf("DetachIfBackedBy on an unlinked image = %v, %v", done, err)
+	}
+}
+
+func TestIsBackedByResolvesSymlinkedDirectories(t *testing.T) {
+	dir := scratch(t)
+	real := filepath.Join(dir, "real")
+	if err := os.Mkdir(real, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(dir, "link")
+	if err := os.Symlink(real, link); err != nil {
+		t.Fatal(err)
+	}
+	sparseFile(t, filepath.Join(real, "x.img"), 8*mib)
+	dev, err := Attach(context.Background(), filepath.Join(link, "x.img"), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if done, err := DetachIfBackedBy(context.Background(), dev.Path, filepath.Join(link, "x.img")); err != nil || !done {
+		t.Fatalf("DetachIfBackedBy through a symlink = %v, %v", done, err)
+	}
+}
+
+// ramfs has no O_DIRECT at all (tmpfs gained it in Linux 6.6), so it stands
+// in for every filesystem that refuses direct I/O.
+func TestAttachFallsBackToBufferedIOWithoutODirect(t *testing.T) {
+	dir := scratch(t)
+	mnt := filepath.Join(dir, "ramfs")
+	if err := os.Mkdir(mnt, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("mount", "-t", "ramfs", "ramfs", mnt).CombinedOutput(); err != nil {
+		t.Skipf("cannot mount ramfs: %v: %s", err, out)
+	}
+	image := filepath.Join(mnt, "r.img")
+	// Cleanups run in reverse: this one runs before scratch's, so it
+	// detaches the image itself, since ramfs cannot be unmounted under it.
+	t.Cleanup(func() {
+		all, _ := List()
+		for _, a := range all {
+			if strings.HasPrefix(a.BackingFile, mnt+"/") {
+				exec.Command("losetup", "--detach", a.Device).Run()
+			}
+		}
+		if out, err := exec.Command("umount", mnt).CombinedOutput(); err != nil {
+			t.Errorf("cleanup: umount %s: %v: %s", mnt, err, out)
+		}
+	})
+	sparseFile(t, image, 8*mib)
+
+	dev, err := Attach(context.Background(), image, false)
+	if err != nil {
+		t.Fatalf("Attach on ramfs: %v", err)
+	}
+	if dev.DirectIO {
+		t.Fatal("device claims direct I/O on ramfs")
+	}
+	if size, err := Size(dev.Path); err != nil || size != 8*mib {
+		t.Fatalf("Size = %d, %v", size, err)
+	}
+	if n := len(attached(t, mnt)); n != 1 {
+		t.Fatalf("%d devices bound to the image, want 1 (the failed direct-I/O attempt leaked)", n)
+	}
+	if _, err := DetachIfBackedBy(context.Background(), dev.Path, image); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestAttachOfAMissingImageFails(t *testing.T) {
+	dir := scratch(t)
+	if _, err := Attach(context.Background(), filepath.Join(dir, "absent.img"), false); err == nil {
+		t.Fatal("attached a file that does not exist")
+	}
+	if left := attached(t, dir); len(left) != 0 {
+		t.Fatalf("left attached: %v", left)
+	}
+}
+
+func TestRejectsDevicesThatAreNotLoopDevices(t *testing.T) {
+	if _, err := BackingFile("/dev/sda"); err == nil {
+		t.Error("BackingFile accepted /dev/sda")
+	}
+	if err := Refresh(context.Background(), "/dev/sda"); err == nil {
+		t.Error("Refresh accepted /dev/sda")
+	}
+	if ours, err := IsBackedBy("/dev/sda", "/x.img"); ours || err == nil {
+		t.Errorf("IsBackedBy(/dev/sda) = %v, %v", ours, err)
+	}
+}

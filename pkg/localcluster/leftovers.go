@@ -1,0 +1,45 @@
+package localcluster
+
+import (
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+
+	"github.com/moby/sys/mountinfo"
+)
+
+// MountsUnder lists the mount points strictly below dir, deepest first, so
+// they can be unmounted in that order.
+func MountsUnder(dir string) []string {
+	infos, err := mountinfo.GetMounts(mountinfo.PrefixFilter(dir))
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, m := range infos {
+		if m.Mountpoint != dir {
+			out = append(out, m.Mountpoint)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return len(out[i]) > len(out[j]) })
+	return out
+}
+
+// LoopsUnder lists the loop devices whose backing file lies below dir.
+func LoopsUnder(dir string) []string {
+	matches, _ := filepath.Glob("/sys/block/loop*/loop/backing_file")
+	var out []string
+	for _, m := range matches {
+		data, err := os.ReadFile(m)
+		if err != nil {
+			continue
+		}
+		backing := strings.TrimSuffix(strings.TrimSpace(string(data)), " (deleted)")
+		if strings.HasPrefix(backing, dir+"/") {
+			out = append(out, "/dev/"+filepath.Base(filepath.Dir(filepath.Dir(m))))
+		}
+	}
+	sort.Strings(out)
+	return out
+}

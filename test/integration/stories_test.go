@@ -1,0 +1,67 @@
+// Package integration runs modeguard as separate processes — one controller
+// and three node plugins in two zones sharing per-zone pools — and checks
+// every story with real loop devices, mkfs and mounts.
+package integration
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/modeguard/modeguard/pkg/localcluster"
+	"github.com/modeguard/modeguard/pkg/stories"
+	"github.com/modeguard/modeguard/test/testenv"
+)
+
+// buildBinary compiles the driver once per test binary run.
+func buildBinary(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "modeguard")
+	cmd := exec.Command("go", "build", "-race", "-o", bin, "github.com/modeguard/modeguard/cmd/modeguard")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("building modeguard: %v\n%s", err, out)
+	}
+	return bin
+}
+
+func TestStoriesAcrossProcesses(t *testing.T) {
+	testenv.RequireRoot(t)
+	bin := buildBinary(t)
+	work := testenv.Tmpfs(t, "512m")
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+
+	cluster, err := localcluster.Start(ctx, bin, work, localcluster.DefaultNodes, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if forced := cluster.Stop(); len(forced) > 0 {
+			t.Errorf("the stories left things behind that had to be cleaned by force: %v", forced)
+		}
+		if t.Failed() {
+			for name, path := range cluster.Logs() {
+				data, _ := os.ReadFile(path)
+				t.Logf("--- log of %s:\n%s", name, data)
+			}
+		}
+	})
+	for _, s := range stories.All() {
+		t.Run(s.Name, func(t *testing.T) {
+			var out bytes.Buffer
+			cluster.Stories.Out = &out
+			err := stories.Run(ctx, cluster.Stories, s.Name)
+			t.Log("\n" + out.String())
+			if err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+	if loops := localcluster.LoopsUnder(work); len(loops) > 0 {
+		t.Errorf("loop devices still attached after every story cleaned up: %v", loops)
+	}
+}
