@@ -13,12 +13,13 @@ build: ## build bin/modeguard
 	CGO_ENABLED=0 $(GO) build -ldflags '$(LDFLAGS)' -o bin/modeguard ./cmd/modeguard
 
 demo: build ## a controller and three node plugins in two zones, walked through the stories
-	bash hack/demo.sh
+	./bin/modeguard demo
 
 # Every test. Tests that need root, loop devices and mounts skip themselves
 # (and say so) when run unprivileged; CI runs them as root.
 test: fmt-check vet build
 	$(GO) test $(GOTEST_FLAGS) -timeout 20m ./...
+	bash hack/check-leftovers.sh
 
 test-unit:
 	$(GO) test $(GOTEST_FLAGS) -short ./pkg/...

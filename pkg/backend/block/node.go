@@ -98,22 +98,30 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 	if err != nil {
 		return nil, err
 	}
-	if !attachedTo(vol.Attachments, req.NodeID) {
+	att, attached := attachmentOf(vol.Attachments, req.NodeID)
+	if !attached {
 		return nil, status.Errorf(codes.FailedPrecondition,
 			"volume %s is not attached to node %s (attached to: %s); ControllerPublishVolume must succeed first",
 			vol.ID, req.NodeID, describeAttachments(vol.Attachments))
+	}
+	if !req.ReadOnly && (att.ReadOnly || accessmode.IsReadOnly(att.Mode)) {
+		// The servers combine this already; refusing here as well keeps a
+		// read-only attachment read-only even if a caller gets it wrong.
+		return nil, status.Errorf(codes.FailedPrecondition,
+			"volume %s is attached to node %s read-only (%s); a read/write stage is refused", vol.ID, req.NodeID, accessmode.Name(att.Mode))
 	}
 	if req.AccessType != vol.AccessType {
 		return nil, status.Errorf(codes.FailedPrecondition,
 			"volume %s was created for access type %s, not %s", vol.ID, vol.AccessType, req.AccessType)
 	}
+	// Empty means "whatever the volume holds, ext4 if it holds nothing";
+	// it is settled once the device can be probed.
 	fsType := ""
 	if req.AccessType == accessmode.Mount {
 		fsType = req.FsType
 		if fsType == "" {
 			fsType = vol.FsType
 		}
-		fsType = fsOrDefault(fsType)
 		if err := checkFsType(fsType); err != nil {
 			return nil, err
 		}
@@ -165,15 +173,26 @@ func (n *Node) alreadyStaged(req backend.StageRequest, image, fsType string) (*b
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "inspecting staging path %s: %v", req.StagingPath, err)
 	}
-	if loop.ValidDevice(dev) {
-		if ours, _ := loop.IsBackedBy(dev, image); ours {
-			return &backend.Staged{
-				VolumeID: req.VolumeID.String(), StagingPath: req.StagingPath, AccessType: req.AccessType,
-				FsType: fsType, ReadOnly: req.ReadOnly, Device: dev, Since: time.Now().UTC(),
-			}, nil
-		}
+	if !loop.ValidDevice(dev) {
+		return nil, status.Errorf(codes.AlreadyExists, "staging path %s already has %s mounted on it, not volume %s", req.StagingPath, dev, req.VolumeID)
 	}
-	return nil, status.Errorf(codes.AlreadyExists, "staging path %s already has %s mounted on it, not volume %s", req.StagingPath, dev, req.VolumeID)
+	if ours, _ := loop.IsBackedBy(dev, image); !ours {
+		return nil, status.Errorf(codes.AlreadyExists, "staging path %s already has another volume mounted on it (%s), not volume %s", req.StagingPath, dev, req.VolumeID)
+	}
+	if ro, err := loop.ReadOnly(dev); err != nil || ro != req.ReadOnly {
+		return nil, status.Errorf(codes.AlreadyExists, "volume %s is already staged at %s with readonly=%t", req.VolumeID, req.StagingPath, ro)
+	}
+	existing, err := n.mounter.GetDiskFormat(dev)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "probing %s: %v", dev, err)
+	}
+	if fsType != "" && existing != fsType {
+		return nil, status.Errorf(codes.AlreadyExists, "volume %s is already staged at %s as %s, not %s", req.VolumeID, req.StagingPath, existing, fsType)
+	}
+	return &backend.Staged{
+		VolumeID: req.VolumeID.String(), StagingPath: req.StagingPath, AccessType: req.AccessType,
+		FsType: existing, ReadOnly: req.ReadOnly, Device: dev, Since: time.Now().UTC(),
+	}, nil
 }
 
 // mountStaged formats (first use only) and mounts the staged device.
@@ -186,9 +205,13 @@ func (n *Node) mountStaged(ctx context.Context, staged *backend.Staged, mountFla
 	case existing == "" && staged.ReadOnly:
 		return status.Errorf(codes.FailedPrecondition,
 			"volume %s has no filesystem yet and this stage is read-only; stage it once read/write so it can be formatted", staged.VolumeID)
-	case existing != "" && existing != staged.FsType:
+	case existing == "":
+		staged.FsType = fsOrDefault(staged.FsType)
+	case staged.FsType == "" && checkFsType(existing) == nil:
+		staged.FsType = existing
+	case existing != staged.FsType:
 		return status.Errorf(codes.FailedPrecondition,
-			"volume %s holds a %s filesystem, not %s", staged.VolumeID, existing, staged.FsType)
+			"volume %s holds a %s filesystem, not %s", staged.VolumeID, existing, fsOrDefault(staged.FsType))
 	}
 	if existing == fsExt4 && !staged.ReadOnly {
 		// A volume restored or cloned into a larger capacity brings a
@@ -241,13 +264,13 @@ func mountOptions(fsType string, readOnly bool, mountFlags []string) []string {
 	return opts
 }
 
-func attachedTo(attachments []accessmode.Attachment, nodeID string) bool {
+func attachmentOf(attachments []accessmode.Attachment, nodeID string) (accessmode.Attachment, bool) {
 	for _, a := range attachments {
 		if a.NodeID == nodeID {
-			return true
+			return a, true
 		}
 	}
-	return false
+	return accessmode.Attachment{}, false
 }
 
 func describeAttachments(attachments []accessmode.Attachment) string {

@@ -123,6 +123,61 @@ func TestStageRefusesWhatDoesNotMatchTheVolume(t *testing.T) {
 	assertNothingStagedUnder(t, f.root)
 }
 
+func TestStageHonoursAReadOnlyAttachment(t *testing.T) {
+	f := newFixture(t, "zone-a")
+	spec := mountSpec(t, "zone-a", "ro-att", "ext4", 64*mib)
+	spec.Modes = []accessmode.Mode{accessmode.MultiNodeSingleWriter}
+	spec.AccessType = accessmode.Block
+	f.create(t, spec)
+	tests := []struct {
+		name       string
+		attachment accessmode.Attachment
+	}{
+		{"attached read-only", accessmode.Attachment{NodeID: "n1", Mode: accessmode.MultiNodeSingleWriter, ReadOnly: true}},
+		{"attached with a read-only mode", accessmode.Attachment{NodeID: "n1", Mode: accessmode.MultiNodeReaderOnly}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f.attach(t, spec.ID, tt.attachment)
+			req := backend.StageRequest{VolumeID: spec.ID, NodeID: "n1", AccessType: accessmode.Block}
+			_, err := f.node.Stage(context.Background(), req)
+			wantCode(t, err, codes.FailedPrecondition)
+			if !strings.Contains(err.Error(), "read-only") {
+				t.Fatalf("message %q does not say why", err)
+			}
+			req.ReadOnly = true
+			f.unstage(t, f.stage(t, req))
+		})
+	}
+	assertNothingStagedUnder(t, f.root)
+}
+
+func TestStageWithoutFsTypeAdoptsTheVolumesFilesystem(t *testing.T) {
+	f := newFixture(t, "zone-a")
+	spec := mountSpec(t, "zone-a", "untyped", "", xfsMinSize)
+	f.create(t, spec)
+	f.attach(t, spec.ID, writer("n1"))
+	first := f.mountReq(spec.ID, "n1", "untyped", false)
+	first.FsType = fsXFS
+	f.unstage(t, f.stage(t, first))
+
+	staged := f.stage(t, f.mountReq(spec.ID, "n1", "untyped", false))
+	if staged.FsType != fsXFS || mountedFsType(t, staged.StagingPath) != fsXFS {
+		t.Fatalf("stage without fs type mounted %q (staged %q), want the xfs it holds", mountedFsType(t, staged.StagingPath), staged.FsType)
+	}
+	f.unstage(t, staged)
+
+	fresh := mountSpec(t, "zone-a", "fresh", "", 64*mib)
+	f.create(t, fresh)
+	f.attach(t, fresh.ID, writer("n1"))
+	staged = f.stage(t, f.mountReq(fresh.ID, "n1", "fresh", false))
+	if staged.FsType != fsExt4 || mountedFsType(t, staged.StagingPath) != fsExt4 {
+		t.Fatalf("an unformatted volume without fs type got %q, want ext4", staged.FsType)
+	}
+	f.unstage(t, staged)
+	assertNothingStagedUnder(t, f.root)
+}
+
 func TestFailedMountDetachesTheLoopDevice(t *testing.T) {
 	f := newFixture(t, "zone-a")
 	spec := mountSpec(t, "zone-a", "xfs-vol", "xfs", xfsMinSize)
@@ -451,11 +506,20 @@ func TestStageRetriedOnAStagedPathReusesTheMount(t *testing.T) {
 		t.Fatalf("%d loop devices for one volume", n)
 	}
 
+	roRetry := req
+	roRetry.ReadOnly = true
+	_, err := f.node.Stage(context.Background(), roRetry)
+	wantCode(t, err, codes.AlreadyExists)
+	xfsRetry := req
+	xfsRetry.FsType = fsXFS
+	_, err = f.node.Stage(context.Background(), xfsRetry)
+	wantCode(t, err, codes.AlreadyExists)
+
 	other := mountSpec(t, "zone-a", "other", "ext4", 64*mib)
 	f.create(t, other)
 	f.attach(t, other.ID, writer("n1"))
 	clash := f.mountReq(other.ID, "n1", "retry", false)
-	_, err := f.node.Stage(context.Background(), clash)
+	_, err = f.node.Stage(context.Background(), clash)
 	wantCode(t, err, codes.AlreadyExists)
 	f.unstage(t, first)
 	assertNothingStagedUnder(t, f.root)

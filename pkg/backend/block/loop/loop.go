@@ -151,6 +151,15 @@ func DetachIfBackedBy(ctx context.Context, dev, image string) (bool, error) {
 	return true, nil
 }
 
+// ReadOnly reports whether the kernel refuses writes to dev.
+func ReadOnly(dev string) (bool, error) {
+	if !ValidDevice(dev) {
+		return false, fmt.Errorf("%q is not a loop device", dev)
+	}
+	v, err := readSys(dev, "ro")
+	return v == "1", err
+}
+
 // Refresh makes dev pick up a new size of its backing file.
 func Refresh(ctx context.Context, dev string) error {
 	if !ValidDevice(dev) {
