@@ -65,6 +65,9 @@ func Parse(s string) (Node, error) {
 	}
 	n := Node{Name: parts[0], Zone: parts[1]}
 	if len(parts) == 3 {
+		if parts[2] == "" {
+			return Node{}, fmt.Errorf("node id %q has an empty address after the second '@'", s)
+		}
 		n.Address = parts[2]
 	}
 	if err := n.Validate(); err != nil {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"os"
+	"path/filepath"
 	"slices"
 	"sort"
 	"strings"
@@ -129,7 +130,7 @@ func (c *Controller) load(p *pool) error {
 				continue
 			}
 			if !strings.Contains(e.Name(), tempMarker) {
-				klog.InfoS("Ignoring a file the block backend did not create", "path", dir+"/"+e.Name())
+				klog.InfoS("Ignoring a file the block backend did not create", "path", filepath.Join(dir, e.Name()))
 			}
 		}
 		if removed {
@@ -479,7 +480,7 @@ func (c *Controller) deleteObject(id volumeid.ID, kind volumeid.Kind) error {
 // SetAttachments records which nodes hold the volume. Nodes read this at
 // stage time, so recording it is what makes an attachment effective.
 func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachments []accessmode.Attachment) (*backend.Volume, error) {
-	return c.updateVolume(id, func(v *backend.Volume) (bool, error) {
+	return c.updateVolume(ctx, id, func(v *backend.Volume) (bool, error) {
 		v.Attachments = slices.Clone(attachments)
 		if len(v.Attachments) == 0 {
 			v.Attachments = nil
@@ -490,13 +491,13 @@ func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachm
 
 // updateVolume applies change to a copy of the volume and, if change says
 // so, persists it before the index sees it.
-func (c *Controller) updateVolume(id volumeid.ID, change func(*backend.Volume) (bool, error)) (*backend.Volume, error) {
+func (c *Controller) updateVolume(ctx context.Context, id volumeid.ID, change func(*backend.Volume) (bool, error)) (*backend.Volume, error) {
 	p, err := c.poolFor(id, volumeid.Volume)
 	if err != nil {
 		return nil, err
 	}
 	defer c.objects.lock(id.String())()
-	v, err := c.Volume(context.Background(), id)
+	v, err := c.Volume(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -529,7 +530,7 @@ func (c *Controller) ExpandVolume(ctx context.Context, id volumeid.ID, bytes int
 	if err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
 	}
-	return c.updateVolume(id, func(v *backend.Volume) (bool, error) {
+	return c.updateVolume(ctx, id, func(v *backend.Volume) (bool, error) {
 		if bytes <= v.CapacityBytes {
 			return false, nil
 		}
@@ -651,7 +652,7 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 	if err := copyImage(ctx, sourceImage, tmp); err != nil {
 		return nil, err
 	}
-	if err := growAndSync(tmp, 0); err != nil {
+	if err := growAndSync(tmp, 0); err != nil { // size 0: only mode and fsync
 		return nil, status.Errorf(codes.Internal, "syncing image of %s: %v", id, err)
 	}
 	if err := os.Rename(tmp, imagePath); err != nil {
