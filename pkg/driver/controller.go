@@ -187,6 +187,9 @@ func sizeFor(r *csi.CapacityRange, fsType string, minimum int64) (int64, error) 
 	if limit > 0 && required > limit {
 		return 0, status.Errorf(codes.InvalidArgument, "capacity range: required %d bytes exceeds limit %d bytes", required, limit)
 	}
+	// need is what the volume must hold; size is what it gets when the
+	// range allows (the default when nothing is required).
+	need := max(required, minimumSize[fsType], minimum, 1)
 	size := required
 	if size == 0 {
 		size = DefaultVolumeSize
@@ -194,20 +197,15 @@ func sizeFor(r *csi.CapacityRange, fsType string, minimum int64) (int64, error) 
 			size = limit
 		}
 	}
-	if fsMin := minimumSize[fsType]; size < fsMin {
-		size = fsMin
-	}
-	if size < minimum {
-		size = minimum
-	}
+	size = max(size, need)
 	rounded := (size + mib - 1) / mib * mib
 	if limit > 0 && rounded > limit {
 		rounded = limit / 4096 * 4096 // loop devices need whole sectors; stay within the limit
 	}
-	if rounded < size || (limit > 0 && rounded > limit) {
+	if rounded < need || (limit > 0 && rounded > limit) {
 		return 0, status.Errorf(codes.OutOfRange,
-			"capacity range [%d, %d] cannot hold %d bytes (the minimum for %s, or the content source's size)",
-			required, limit, size, fsTypeOrRaw(fsType))
+			"capacity range [%d, %d] cannot hold %d bytes in whole 4096-byte blocks (the minimum for %s, or the content source's size)",
+			required, limit, need, fsTypeOrRaw(fsType))
 	}
 	return rounded, nil
 }
@@ -232,7 +230,9 @@ func candidateZones(req *csi.TopologyRequirement, available []string) ([]string,
 		for _, t := range segs {
 			z, ok := t.GetSegments()[TopologyZoneKey]
 			if !ok {
-				return available, nil
+				// Every zone, after (not instead of) the segments before it.
+				out = append(out, available...)
+				continue
 			}
 			if !volumeid.ValidZone(z) {
 				return nil, status.Errorf(codes.InvalidArgument, "topology segment %s=%q is not a valid zone", TopologyZoneKey, z)

@@ -53,10 +53,9 @@ func ParseParams(in map[string]string) (Params, error) {
 		switch {
 		case strings.HasPrefix(k, kubernetesParamPrefix):
 			if k == kubernetesParamPrefix+"fstype" && v != "" {
-				if err := checkFsType(v); err != nil {
+				if err := setFsType(&p, k, v); err != nil {
 					return Params{}, err
 				}
-				p.FsType = v
 			}
 		case k == ParamBackend:
 			if !slices.Contains([]string{"block", "nfs", BackendAuto}, v) {
@@ -65,10 +64,9 @@ func ParseParams(in map[string]string) (Params, error) {
 			}
 			p.Backend = v
 		case k == ParamFsType:
-			if err := checkFsType(v); err != nil {
+			if err := setFsType(&p, k, v); err != nil {
 				return Params{}, err
 			}
-			p.FsType = v
 		default:
 			return Params{}, status.Errorf(codes.InvalidArgument,
 				"parameter %q is not known; accepted keys: %s, and any key starting with %q",
@@ -76,6 +74,20 @@ func ParseParams(in map[string]string) (Params, error) {
 		}
 	}
 	return p, nil
+}
+
+// setFsType records a filesystem named by either of the two keys that can
+// name one, refusing two different answers.
+func setFsType(p *Params, key, fs string) error {
+	if err := checkFsType(fs); err != nil {
+		return err
+	}
+	if p.FsType != "" && p.FsType != fs {
+		return status.Errorf(codes.InvalidArgument,
+			"parameters name two filesystems, %s and %s (%s); name one", p.FsType, fs, key)
+	}
+	p.FsType = fs
+	return nil
 }
 
 func checkFsType(fs string) error {

@@ -148,6 +148,12 @@ func (s *Store) All() ([]*Record, error) {
 		if err := fsutil.ReadJSON(filepath.Join(s.dir, name), rec); err != nil {
 			return nil, err
 		}
+		// Like Load, refuse a file that claims another volume's id: acting
+		// on it would rewrite (or remove) that volume's real lock file.
+		if id, err := volumeid.Parse(rec.VolumeID); err != nil || id.FileName()+fileSuffix != name {
+			klog.ErrorS(err, "Ignoring lock file that does not belong to the volume it names", "file", name, "volumeID", rec.VolumeID)
+			continue
+		}
 		out = append(out, rec)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].VolumeID < out[j].VolumeID })

@@ -9,20 +9,20 @@ import (
 	"github.com/moby/sys/mountinfo"
 )
 
-// MountsUnder lists the mount points strictly below dir, deepest first, so
-// they can be unmounted in that order.
+// MountsUnder lists the mount points strictly below dir, newest first, so
+// they can be unmounted in that order: a mount stacked later (on a parent,
+// say) must go before the ones it hides.
 func MountsUnder(dir string) []string {
 	infos, err := mountinfo.GetMounts(mountinfo.PrefixFilter(dir))
 	if err != nil {
 		return nil
 	}
 	var out []string
-	for _, m := range infos {
-		if m.Mountpoint != dir {
-			out = append(out, m.Mountpoint)
+	for i := len(infos) - 1; i >= 0; i-- { // mountinfo lists mounts oldest first
+		if infos[i].Mountpoint != dir {
+			out = append(out, infos[i].Mountpoint)
 		}
 	}
-	sort.Slice(out, func(i, j int) bool { return len(out[i]) > len(out[j]) })
 	return out
 }
 

@@ -1,0 +1,365 @@
+package driver_test
+
+// An in-process driver (controller + node role) with the real block backend
+// on a size-capped tmpfs, reached over a real gRPC unix socket, as
+// test/sanity does. Every volume, attachment, stage and publish a test makes
+// through the helpers is undone by t.Cleanup in reverse order, and the env
+// fails the test if a mount or loop device under its tmpfs survives that.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/backend/block"
+	"github.com/modeguard/modeguard/pkg/driver"
+	"github.com/modeguard/modeguard/pkg/localcluster"
+	"github.com/modeguard/modeguard/test/testenv"
+)
+
+const (
+	mib        = int64(1) << 20
+	testZone   = "zone-a"
+	testNode   = "node-1"
+	volumeSize = 16 * mib
+)
+
+type env struct {
+	root     string
+	pool     string
+	stateDir string
+	maxVols  int64
+
+	d      *driver.Driver
+	srv    *grpc.Server
+	conn   *grpc.ClientConn
+	ctrl   csi.ControllerClient
+	node   csi.NodeClient
+	starts int
+}
+
+// newEnv starts a driver on a fresh tmpfs. maxVolumes is MaxVolumesPerNode.
+func newEnv(t *testing.T, maxVolumes int64) *env {
+	t.Helper()
+	testenv.RequireRoot(t)
+	root := testenv.Tmpfs(t, "320m")
+	e := &env{
+		root:     root,
+		pool:     filepath.Join(root, "pool-"+testZone),
+		stateDir: filepath.Join(root, "state"),
+		maxVols:  maxVolumes,
+	}
+	for _, d := range []string{e.pool, e.stateDir, filepath.Join(root, "staging"), filepath.Join(root, "targets")} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Runs after every per-volume cleanup below (cleanups run last in,
+	// first out) and before testenv's, which would clean up silently.
+	t.Cleanup(func() {
+		if m := localcluster.MountsUnder(root); len(m) > 0 {
+			t.Errorf("mounts left behind under %s: %v", root, m)
+			unmountNewestFirst(t, root)
+		}
+		if l := localcluster.LoopsUnder(root); len(l) > 0 {
+			t.Errorf("loop devices left behind for %s: %v", root, l)
+		}
+	})
+	e.start(t)
+	t.Cleanup(e.stop)
+	return e
+}
+
+// start builds a driver process the way cmd/modeguard does (fresh backends
+// reading the pool, a driver on the same state dir, Reconcile) and serves it.
+func (e *env) start(t *testing.T) {
+	t.Helper()
+	pools := map[string]string{testZone: e.pool}
+	ctrl, err := block.NewController(pools)
+	if err != nil {
+		t.Fatal(err)
+	}
+	node, err := block.NewNode(pools)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := driver.New(driver.Config{
+		Version:           "test",
+		Roles:             []driver.Role{driver.RoleController, driver.RoleNode},
+		NodeName:          testNode,
+		Zone:              testZone,
+		StateDir:          e.stateDir,
+		MaxVolumesPerNode: e.maxVols,
+		Controllers:       map[accessmode.Backend]backend.Controller{accessmode.BackendBlock: ctrl},
+		Nodes:             map[accessmode.Backend]backend.Node{accessmode.BackendBlock: node},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Reconcile(); err != nil {
+		t.Fatalf("Reconcile at start: %v", err)
+	}
+	e.starts++
+	sock := filepath.Join(e.root, fmt.Sprintf("csi-%d.sock", e.starts))
+	lis, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := d.NewGRPCServer()
+	go srv.Serve(lis)
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		srv.Stop()
+		t.Fatal(err)
+	}
+	e.d, e.srv, e.conn = d, srv, conn
+	e.ctrl, e.node = csi.NewControllerClient(conn), csi.NewNodeClient(conn)
+}
+
+func (e *env) stop() {
+	if e.srv == nil {
+		return
+	}
+	e.conn.Close()
+	e.srv.Stop()
+	e.srv, e.conn = nil, nil
+}
+
+// restart replaces the driver by a new instance on the same pool and state
+// dir, as a restarted plugin process would be.
+func (e *env) restart(t *testing.T) {
+	t.Helper()
+	e.stop()
+	e.start(t)
+}
+
+// unmountNewestFirst removes every mount below root in the reverse order of
+// their creation, so that a mount stacked on an ancestor of another (which
+// hides it from a deepest-path-first cleanup) goes first.
+func unmountNewestFirst(t *testing.T, root string) {
+	t.Helper()
+	infos, err := mountinfo.GetMounts(mountinfo.PrefixFilter(root))
+	if err != nil {
+		t.Errorf("listing mounts: %v", err)
+		return
+	}
+	sort.Slice(infos, func(i, j int) bool { return infos[i].ID > infos[j].ID })
+	for _, m := range infos {
+		if m.Mountpoint == root {
+			continue
+		}
+		if err := unix.Unmount(m.Mountpoint, unix.MNT_DETACH); err != nil {
+			t.Errorf("unmounting leftover %s (mount %d): %v", m.Mountpoint, m.ID, err)
+		}
+	}
+}
+
+func (e *env) nodeID() string { return e.d.NodeID() }
+
+func ctx(t testing.TB) context.Context {
+	c, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	return c
+}
+
+func mountCap(mode accessmode.Mode) *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode},
+	}
+}
+
+func blockCap(mode accessmode.Mode) *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode},
+	}
+}
+
+// createVolume makes a volume and deletes it at cleanup.
+func (e *env) createVolume(t *testing.T, name string, c *csi.VolumeCapability) string {
+	t.Helper()
+	resp, err := e.ctrl.CreateVolume(ctx(t), &csi.CreateVolumeRequest{
+		Name:               name,
+		CapacityRange:      &csi.CapacityRange{RequiredBytes: volumeSize},
+		VolumeCapabilities: []*csi.VolumeCapability{c},
+	})
+	if err != nil {
+		t.Fatalf("CreateVolume %s: %v", name, err)
+	}
+	id := resp.GetVolume().GetVolumeId()
+	t.Cleanup(func() {
+		if _, err := e.ctrl.DeleteVolume(ctx(t), &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+			t.Errorf("cleanup: DeleteVolume %s: %v", id, err)
+		}
+	})
+	return id
+}
+
+// controllerPublish attaches the volume to this node (unpublished at cleanup).
+func (e *env) controllerPublish(t *testing.T, volID string, c *csi.VolumeCapability) map[string]string {
+	t.Helper()
+	resp, err := e.ctrl.ControllerPublishVolume(ctx(t), &csi.ControllerPublishVolumeRequest{
+		VolumeId: volID, NodeId: e.nodeID(), VolumeCapability: c,
+	})
+	if err != nil {
+		t.Fatalf("ControllerPublishVolume %s: %v", volID, err)
+	}
+	e.cleanupControllerUnpublish(t, volID, e.nodeID())
+	return resp.GetPublishContext()
+}
+
+func (e *env) cleanupControllerUnpublish(t *testing.T, volID, nodeID string) {
+	t.Cleanup(func() {
+		if _, err := e.ctrl.ControllerUnpublishVolume(ctx(t), &csi.ControllerUnpublishVolumeRequest{VolumeId: volID, NodeId: nodeID}); err != nil {
+			t.Errorf("cleanup: ControllerUnpublishVolume %s from %s: %v", volID, nodeID, err)
+		}
+	})
+}
+
+func (e *env) stagingPath(name string) string { return filepath.Join(e.root, "staging", name) }
+func (e *env) targetPath(name string) string  { return filepath.Join(e.root, "targets", name) }
+
+// stage stages the volume (unstaged at cleanup) and returns its staging path.
+func (e *env) stage(t *testing.T, volID, name string, c *csi.VolumeCapability, pc map[string]string) string {
+	t.Helper()
+	staging := e.stagingPath(name)
+	if _, err := e.node.NodeStageVolume(ctx(t), &csi.NodeStageVolumeRequest{
+		VolumeId: volID, StagingTargetPath: staging, VolumeCapability: c, PublishContext: pc,
+	}); err != nil {
+		t.Fatalf("NodeStageVolume %s: %v", volID, err)
+	}
+	t.Cleanup(func() {
+		if _, err := e.node.NodeUnstageVolume(ctx(t), &csi.NodeUnstageVolumeRequest{VolumeId: volID, StagingTargetPath: staging}); err != nil {
+			t.Errorf("cleanup: NodeUnstageVolume %s: %v", volID, err)
+		}
+	})
+	return staging
+}
+
+// setup creates, attaches and stages a volume.
+func (e *env) setup(t *testing.T, name string, c *csi.VolumeCapability) (volID, staging string, pc map[string]string) {
+	t.Helper()
+	volID = e.createVolume(t, name, c)
+	pc = e.controllerPublish(t, volID, c)
+	staging = e.stage(t, volID, name, c, pc)
+	return volID, staging, pc
+}
+
+// publish calls NodePublishVolume; a success is unpublished at cleanup.
+func (e *env) publish(t *testing.T, volID, staging, target string, c *csi.VolumeCapability, pc map[string]string, readOnly bool) error {
+	t.Helper()
+	_, err := e.node.NodePublishVolume(ctx(t), &csi.NodePublishVolumeRequest{
+		VolumeId: volID, StagingTargetPath: staging, TargetPath: target,
+		VolumeCapability: c, PublishContext: pc, Readonly: readOnly,
+	})
+	if err == nil {
+		t.Cleanup(func() {
+			if _, err := e.node.NodeUnpublishVolume(ctx(t), &csi.NodeUnpublishVolumeRequest{VolumeId: volID, TargetPath: target}); err != nil {
+				t.Errorf("cleanup: NodeUnpublishVolume %s at %s: %v", volID, target, err)
+			}
+		})
+	}
+	return err
+}
+
+// mountsAt counts the mounts stacked at exactly p.
+func mountsAt(t *testing.T, p string) int {
+	t.Helper()
+	infos, err := mountinfo.GetMounts(func(m *mountinfo.Info) (skip, stop bool) {
+		return m.Mountpoint != p, false // every mount stacked there, not just the first
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(infos)
+}
+
+func wantCode(t *testing.T, what string, err error, want ...codes.Code) {
+	t.Helper()
+	got := status.Code(err)
+	for _, w := range want {
+		if got == w {
+			return
+		}
+	}
+	t.Errorf("%s: code %v (%v), want one of %v", what, got, err, want)
+}
+
+// fileState is what treeState records of one file: enough to notice a
+// file being created, removed, replaced or written.
+type fileState struct {
+	mode  os.FileMode
+	size  int64
+	mtime time.Time
+}
+
+// treeState lists every path below root (sockets excepted: the test's own).
+func treeState(t *testing.T, root string) map[string]fileState {
+	t.Helper()
+	out := map[string]fileState{}
+	err := filepath.Walk(root, func(p string, fi os.FileInfo, err error) error {
+		if err != nil {
+			return err
+		}
+		if fi.Mode()&os.ModeSocket != 0 {
+			return nil
+		}
+		st := fileState{fi.Mode(), fi.Size(), fi.ModTime()}
+		if strings.HasSuffix(p, ".img") {
+			// A staged volume's filesystem writes to its image through the
+			// loop device on its own (journal commits, lazy init).
+			st.mtime = time.Time{}
+		}
+		out[p] = st
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func diffTrees(before, after map[string]fileState) []string {
+	var d []string
+	for p, b := range before {
+		a, ok := after[p]
+		switch {
+		case !ok:
+			d = append(d, "removed "+p)
+		case a != b:
+			d = append(d, fmt.Sprintf("changed %s: %+v -> %+v", p, b, a))
+		}
+	}
+	for p := range after {
+		if _, ok := before[p]; !ok {
+			d = append(d, "created "+p)
+		}
+	}
+	return d
+}
+
+// writeProbe writes a file at dir and returns the error.
+func writeProbe(dir, name, content string) error {
+	return os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644)
+}
+
+func isEROFS(err error) bool { return errors.Is(err, syscall.EROFS) }
