@@ -94,6 +94,21 @@ func (d *Driver) nodeVolume(raw string) (volumeid.ID, backend.Node, error) {
 	return id, nb, nil
 }
 
+// lockRecord takes the volume's operation lock and reads its lock file; the
+// caller releases the lock when done with the record.
+func (d *Driver) lockRecord(id volumeid.ID) (func(), *holders.Record, error) {
+	release, err := d.locks.acquire(id.String())
+	if err != nil {
+		return nil, nil, err
+	}
+	rec, err := d.holders.Load(id)
+	if err != nil {
+		release()
+		return nil, nil, status.Error(codes.Internal, err.Error())
+	}
+	return release, rec, nil
+}
+
 func publishedReadOnly(ctx map[string]string) bool {
 	ro, _ := strconv.ParseBool(ctx[PublishContextReadOnly])
 	return ro
@@ -114,15 +129,11 @@ func (s *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if err != nil {
 		return nil, err
 	}
-	release, err := s.d.locks.acquire(id.String())
+	release, rec, err := s.d.lockRecord(id)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	rec, err := s.d.holders.Load(id)
-	if err != nil {
-		return nil, status.Error(codes.Internal, err.Error())
-	}
 	readOnly := accessmode.EffectiveReadOnly(mode, false, publishedReadOnly(req.GetPublishContext()))
 	flags := mountFlags(req.GetVolumeCapability())
 	fp := fingerprint(req.GetStagingTargetPath(), string(accessType), fsType, strings.Join(flags, ","),
@@ -167,15 +178,11 @@ func (s *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	if err != nil {
 		return nil, err
 	}
-	release, err := s.d.locks.acquire(id.String())
+	release, rec, err := s.d.lockRecord(id)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	rec, err := s.d.holders.Load(id)
-	if err != nil {
-		return nil, status.Error(codes.Internal, err.Error())
-	}
 	if rec.Staged == nil {
 		return &csi.NodeUnstageVolumeResponse{}, nil
 	}
@@ -223,15 +230,11 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if err != nil {
 		return nil, err
 	}
-	release, err := s.d.locks.acquire(id.String())
+	release, rec, err := s.d.lockRecord(id)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	rec, err := s.d.holders.Load(id)
-	if err != nil {
-		return nil, status.Error(codes.Internal, err.Error())
-	}
 	staged := rec.Staged
 	if staged == nil || staged.StagingPath != req.GetStagingTargetPath() {
 		return nil, status.Errorf(codes.FailedPrecondition,
@@ -336,15 +339,11 @@ func (s *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 	if err != nil {
 		return nil, err
 	}
-	release, err := s.d.locks.acquire(id.String())
+	release, rec, err := s.d.lockRecord(id)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	rec, err := s.d.holders.Load(id)
-	if err != nil {
-		return nil, status.Error(codes.Internal, err.Error())
-	}
 	if _, held := rec.Holder(req.GetTargetPath()); !held {
 		// Nothing of ours is there; a mount we did not make is not ours to remove.
 		return &csi.NodeUnpublishVolumeResponse{}, nil
