@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Fails when tests left loop devices or mounts of the driver's behind: a test
-# that leaks here leaks in CI and on a user's node too.
+# Fails when tests left loop devices, mounts, network namespaces or driver
+# processes behind: a test that leaks here leaks in CI and on a user's node.
 set -u
 status=0
-loops=$(losetup -a 2>/dev/null | grep -E 'modeguard|/pools?/' || true)
-if [ -n "$loops" ]; then
-  echo "leftover loop devices:"; echo "$loops"; status=1
-fi
-mounts=$(grep -E 'modeguard' /proc/mounts || true)
-if [ -n "$mounts" ]; then
-  echo "leftover mounts:"; echo "$mounts"; status=1
-fi
-[ "$status" = 0 ] && echo "no leftover loop devices or mounts"
+report() { echo "$1:"; echo "$2"; status=1; }
+loops=$(losetup -a 2>/dev/null || true)
+[ -n "$loops" ] && report "leftover loop devices" "$loops"
+mounts=$(grep -E ' /(tmp|var/tmp|work)/' /proc/mounts || true)
+[ -n "$mounts" ] && report "leftover mounts" "$mounts"
+netns=$(ip netns list 2>/dev/null | grep -E '^mg' || true)
+[ -n "$netns" ] && report "leftover network namespaces" "$netns"
+procs=$(ps -eo pid=,stat=,args= | awk '$2 !~ /Z/' | grep -E 'ganesha\.nfsd|modeguard|dbus-daemon --config-file=/(tmp|var/tmp)' | grep -v grep || true)
+[ -n "$procs" ] && report "leftover processes" "$procs"
+[ "$status" = 0 ] && echo "no leftover loop devices, mounts, namespaces or processes"
 exit "$status"

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/signal"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 
@@ -18,6 +19,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block"
+	"github.com/modeguard/modeguard/pkg/backend/nfs"
 	"github.com/modeguard/modeguard/pkg/driver"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
@@ -66,6 +68,34 @@ type options struct {
 	maxVolumes  int64
 	pools       poolFlag
 	showVersion bool
+	nfs         nfs.Options
+}
+
+// byteSize is a flag holding bytes, written plainly or with a binary suffix
+// (Ki, Mi, Gi, Ti).
+type byteSize struct{ v *int64 }
+
+func (b byteSize) String() string {
+	if b.v == nil {
+		return "0"
+	}
+	return strconv.FormatInt(*b.v, 10)
+}
+
+func (b byteSize) Set(s string) error {
+	mult := int64(1)
+	for suffix, m := range map[string]int64{"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40} {
+		if strings.HasSuffix(s, suffix) {
+			mult, s = m, strings.TrimSuffix(s, suffix)
+			break
+		}
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || n <= 0 || n > (1<<62)/mult {
+		return fmt.Errorf("want a positive number of bytes, optionally with Ki, Mi, Gi or Ti")
+	}
+	*b.v = n * mult
+	return nil
 }
 
 func parseFlags(args []string) (*options, error) {
@@ -82,6 +112,21 @@ func parseFlags(args []string) (*options, error) {
 	fs.StringVar(&o.driverName, "driver-name", driver.DefaultDriverName, "CSI driver name")
 	fs.Int64Var(&o.maxVolumes, "max-volumes-per-node", 128, "volumes this node may hold at once, reported in NodeGetInfo (0: no limit)")
 	fs.Var(o.pools, "block-pool", "ZONE=DIR: a block pool this process may place or find volumes in (repeatable)")
+	fs.StringVar(&o.nfs.ExportRoot, "nfs-export-root", "",
+		"controller: enables the NFS backend; where volume data lives on the server (a prjquota xfs mount point, or a directory where the driver keeps and mounts a pool image)")
+	o.nfs.PoolImageSize = 100 << 30
+	fs.Var(byteSize{&o.nfs.PoolImageSize}, "nfs-pool-size", "controller: size of the sparse pool image made under --nfs-export-root when it is not a prjquota xfs mount (e.g. 100Gi)")
+	fs.StringVar(&o.nfs.Storage, "nfs-storage", "auto",
+		"controller: how NFS volume sizes are limited: quota (xfs project quotas), images (one loop-mounted xfs image per volume, 300 MiB minimum), auto (quota where the kernel's xfs supports it)")
+	fs.StringVar(&o.nfs.Server, "nfs-server", "", "controller: the IP address nodes mount NFS exports from")
+	fs.IntVar(&o.nfs.Port, "nfs-port", 2049, "controller: the NFS port ganesha serves")
+	fs.StringVar(&o.nfs.ListenAddress, "nfs-listen-address", "", "controller: the address the driver's own ganesha binds to (default: every address)")
+	fs.StringVar(&o.nfs.GaneshaDir, "nfs-ganesha-dir", "/var/lib/modeguard/ganesha",
+		"controller: runtime directory of the ganesha the driver runs (config, private D-Bus socket, recovery, logs, export files)")
+	fs.StringVar(&o.nfs.GaneshaDBus, "nfs-ganesha-dbus", "",
+		"controller: D-Bus address of a ganesha run by someone else (e.g. unix:path=/run/ganesha/bus.sock); the driver then starts none")
+	fs.StringVar(&o.nfs.ExportConfigDir, "nfs-export-config-dir", "",
+		"controller: where export files go; required with --nfs-ganesha-dbus (that ganesha must include it with %dir), default <nfs-ganesha-dir>/exports")
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
 	klog.InitFlags(klogFlags)
@@ -126,6 +171,21 @@ func run(o *options) error {
 		Controllers:       map[accessmode.Backend]backend.Controller{},
 		Nodes:             map[accessmode.Backend]backend.Node{},
 	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	for _, r := range roles {
+		switch {
+		case r == driver.RoleController && o.nfs.ExportRoot != "":
+			c, stopNFS, err := nfs.Setup(ctx, o.nfs)
+			if err != nil {
+				return err
+			}
+			defer stopNFS()
+			cfg.Controllers[accessmode.BackendNFS] = c
+		case r == driver.RoleNode:
+			cfg.Nodes[accessmode.BackendNFS] = nfs.NewNode(nil)
+		}
+	}
 	if len(o.pools) > 0 {
 		for _, r := range roles {
 			switch r {
@@ -156,8 +216,6 @@ func run(o *options) error {
 		return err
 	}
 	srv := d.NewGRPCServer()
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-	defer stop()
 	go func() {
 		<-ctx.Done()
 		klog.InfoS("Stopping: waiting for calls in flight")

@@ -31,7 +31,10 @@ type Volume struct {
 	Parameters    map[string]string       `json:"parameters,omitempty"`
 	Source        *Source                 `json:"source,omitempty"`
 	Attachments   []accessmode.Attachment `json:"attachments,omitempty"`
-	CreatedAt     time.Time               `json:"createdAt"`
+	// Context is what a node needs to reach the volume (for NFS: server and
+	// export path); it travels to the node as part of the volume context.
+	Context   map[string]string `json:"context,omitempty"`
+	CreatedAt time.Time         `json:"createdAt"`
 }
 
 // Snapshot is everything the controller records about a snapshot.
@@ -69,8 +72,14 @@ type Controller interface {
 	// Backend names the backend.
 	Backend() accessmode.Backend
 	// Zones lists the zones this controller may place volumes in, in the
-	// order it prefers them.
+	// order it prefers them. A backend whose volumes are reachable from
+	// every zone returns nil: its volumes carry no zone and no topology.
 	Zones() []string
+	// MinimumSize is the smallest volume the backend can make, in bytes.
+	MinimumSize() int64
+	// NodeExpansionRequired tells whether a node must act after
+	// ExpandVolume before the workload sees the new size.
+	NodeExpansionRequired() bool
 	// Capacity is the number of bytes a new volume in zone could still get.
 	Capacity(ctx context.Context, zone string) (int64, error)
 
@@ -139,7 +148,8 @@ type Node interface {
 	// Unstage undoes Stage; a volume already unstaged is fine.
 	Unstage(ctx context.Context, staged *Staged) error
 	// Expand makes the node see the volume's new size (and grows the
-	// filesystem, for mount). It returns the new size in bytes.
+	// filesystem, for mount). It returns the new size in bytes, or 0 when
+	// the node cannot know it exactly.
 	Expand(ctx context.Context, staged *Staged) (int64, error)
 	// Health checks that what Stage set up is still in place and working.
 	Health(ctx context.Context, staged *Staged) Health

@@ -210,6 +210,13 @@ func sizeFor(r *csi.CapacityRange, fsType string, minimum int64) (int64, error) 
 	return rounded, nil
 }
 
+func zoneName(z string) string {
+	if z == "" {
+		return "the pool"
+	}
+	return "zone " + z
+}
+
 func fsTypeOrRaw(fs string) string {
 	if fs == "" {
 		return "a raw block volume"
@@ -286,6 +293,9 @@ func csiVolume(vol *backend.Volume) *csi.Volume {
 	}
 	if vol.Zone != "" {
 		v.VolumeContext[VolumeContextZone] = vol.Zone
+	}
+	for k, val := range vol.Context {
+		v.VolumeContext[k] = val
 	}
 	if src := vol.Source; src != nil {
 		switch {
@@ -368,7 +378,20 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	if err != nil {
 		return nil, err
 	}
-	if caps.accessType == accessmode.Mount {
+	src, err := contentSource(req.GetVolumeContentSource())
+	if err != nil {
+		return nil, err
+	}
+	ctrl, err := s.chooseBackend(params, caps)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case ctrl.Backend() == accessmode.BackendNFS:
+		// The server's filesystem is the server's business: an NFS volume
+		// has no filesystem type a CO could choose.
+		caps.fsType = ""
+	case caps.accessType == accessmode.Mount:
 		if caps.fsType == "" {
 			caps.fsType = params.FsType
 		}
@@ -379,14 +402,6 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 		if caps.fsType == "" {
 			caps.fsType = DefaultFsType
 		}
-	}
-	src, err := contentSource(req.GetVolumeContentSource())
-	if err != nil {
-		return nil, err
-	}
-	ctrl, err := s.chooseBackend(params, caps)
-	if err != nil {
-		return nil, err
 	}
 	key := volumeid.KeyFor(s.d.cfg.DriverName, volumeid.Volume, req.GetName())
 	release, err := s.d.locks.acquire("volume name " + req.GetName())
@@ -408,13 +423,16 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	if err != nil {
 		return nil, err
 	}
+	minimum = max(minimum, ctrl.MinimumSize())
 	size, err := sizeFor(req.GetCapacityRange(), caps.fsType, minimum)
 	if err != nil {
 		return nil, err
 	}
-	zones, err := candidateZones(req.GetAccessibilityRequirements(), ctrl.Zones())
-	if err != nil {
-		return nil, err
+	zones := []string{""} // a backend reachable from every zone satisfies any topology
+	if len(ctrl.Zones()) > 0 {
+		if zones, err = candidateZones(req.GetAccessibilityRequirements(), ctrl.Zones()); err != nil {
+			return nil, err
+		}
 	}
 	if len(zones) == 0 {
 		return nil, status.Errorf(codes.ResourceExhausted,
@@ -428,7 +446,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 			return nil, err
 		}
 		if free < size {
-			tried = append(tried, fmt.Sprintf("%s has %d bytes free", zone, free))
+			tried = append(tried, fmt.Sprintf("%s has %d bytes free", zoneName(zone), free))
 			continue
 		}
 		id, err := volumeid.New(ctrl.Backend(), zone, volumeid.Volume, key)
@@ -440,7 +458,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 			FsType: caps.fsType, Modes: caps.modes, Parameters: req.GetParameters(), Source: src,
 		})
 		if status.Code(err) == codes.ResourceExhausted {
-			tried = append(tried, fmt.Sprintf("%s: %s", zone, status.Convert(err).Message()))
+			tried = append(tried, fmt.Sprintf("%s: %s", zoneName(zone), status.Convert(err).Message()))
 			continue
 		}
 		if err != nil {
@@ -485,7 +503,7 @@ func compatible(vol *backend.Volume, req *csi.CreateVolumeRequest, caps capabili
 	if vol.AccessType != caps.accessType {
 		diffs = append(diffs, fmt.Sprintf("access type is %s", vol.AccessType))
 	}
-	if caps.accessType == accessmode.Mount && vol.FsType != caps.fsType {
+	if caps.accessType == accessmode.Mount && vol.FsType != "" && vol.FsType != caps.fsType {
 		diffs = append(diffs, fmt.Sprintf("filesystem is %s", vol.FsType))
 	}
 	for _, m := range caps.modes {
@@ -593,6 +611,10 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 		return nil, status.Errorf(codes.FailedPrecondition,
 			"volume %s lives in zone %s and node %s is in zone %s; a volume can only be published to nodes of its zone",
 			vol.ID, vol.Zone, node.Name, node.Zone)
+	}
+	if id.Backend == accessmode.BackendNFS && node.Address == "" {
+		return nil, status.Errorf(codes.FailedPrecondition,
+			"node %s reported no NFS client address, so no export can be opened to it; start its node plugin with --node-address", node.Name)
 	}
 	if err := checkUse(vol, accessType, fsType, mode); err != nil {
 		return nil, err
@@ -903,7 +925,9 @@ func (s *controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacity
 		return &csi.GetCapacityResponse{AvailableCapacity: 0}, nil
 	}
 	zones := ctrl.Zones()
-	if z, ok := req.GetAccessibleTopology().GetSegments()[TopologyZoneKey]; ok {
+	if len(zones) == 0 {
+		zones = []string{""} // one pool, reachable from every zone
+	} else if z, ok := req.GetAccessibleTopology().GetSegments()[TopologyZoneKey]; ok {
 		if !slices.Contains(zones, z) {
 			return &csi.GetCapacityResponse{AvailableCapacity: 0}, nil
 		}
@@ -960,10 +984,8 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 		klog.InfoS("Volume expanded", "volumeID", vol.ID, "bytes", vol.CapacityBytes)
 	}
 	return &csi.ControllerExpandVolumeResponse{
-		CapacityBytes: vol.CapacityBytes,
-		// The node must refresh its loop device and, for mount, grow the
-		// filesystem the workload sees.
-		NodeExpansionRequired: true,
+		CapacityBytes:         vol.CapacityBytes,
+		NodeExpansionRequired: ctrl.NodeExpansionRequired(),
 	}, nil
 }
 

@@ -476,7 +476,7 @@ func (s *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	if err != nil {
 		return nil, err
 	}
-	if r := req.GetCapacityRange().GetRequiredBytes(); r > 0 && size < r {
+	if r := req.GetCapacityRange().GetRequiredBytes(); size > 0 && r > 0 && size < r {
 		return nil, status.Errorf(codes.OutOfRange,
 			"volume %s is %d bytes on this node, less than the %d asked for; expand it in the controller first", id, size, r)
 	}

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 
 	"google.golang.org/grpc/codes"
@@ -12,8 +13,9 @@ import (
 
 // StorageClass parameter keys.
 const (
-	ParamBackend = "backend"
-	ParamFsType  = "fsType"
+	ParamBackend    = "backend"
+	ParamFsType     = "fsType"
+	ParamRootSquash = "rootSquash"
 )
 
 // Backend choices for ParamBackend.
@@ -25,7 +27,7 @@ const (
 // fstype, secret names) and are accepted without being interpreted.
 const kubernetesParamPrefix = "csi.storage.k8s.io/"
 
-var acceptedParams = []string{ParamBackend, ParamFsType}
+var acceptedParams = []string{ParamBackend, ParamFsType, ParamRootSquash}
 
 // Supported filesystems, in order of preference.
 var supportedFsTypes = []string{"ext4", "xfs"}
@@ -37,12 +39,15 @@ const DefaultFsType = "ext4"
 type Params struct {
 	Backend string // block, nfs or auto
 	FsType  string // empty: decided by the capability or the default
+	// RootSquash maps root on the clients to an anonymous user (NFS). On
+	// by default: a container running as root must not own the export.
+	RootSquash bool
 }
 
 // ParseParams rejects unknown keys and bad values with InvalidArgument,
 // naming what is accepted.
 func ParseParams(in map[string]string) (Params, error) {
-	p := Params{Backend: BackendAuto}
+	p := Params{Backend: BackendAuto, RootSquash: true}
 	keys := make([]string, 0, len(in))
 	for k := range in {
 		keys = append(keys, k)
@@ -63,6 +68,13 @@ func ParseParams(in map[string]string) (Params, error) {
 					"parameter %s=%q is not accepted; accepted values: block, nfs, auto", k, v)
 			}
 			p.Backend = v
+		case k == ParamRootSquash:
+			b, err := strconv.ParseBool(v)
+			if err != nil {
+				return Params{}, status.Errorf(codes.InvalidArgument,
+					"parameter %s=%q is not accepted; accepted values: true, false", k, v)
+			}
+			p.RootSquash = b
 		case k == ParamFsType:
 			if err := setFsType(&p, k, v); err != nil {
 				return Params{}, err

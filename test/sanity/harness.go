@@ -5,16 +5,23 @@
 package sanity
 
 import (
+	"context"
+	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
+	"k8s.io/mount-utils"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block"
+	"github.com/modeguard/modeguard/pkg/backend/nfs"
 	"github.com/modeguard/modeguard/pkg/driver"
 	"github.com/modeguard/modeguard/test/testenv"
 )
@@ -25,10 +32,8 @@ func Run(t *testing.T, accessType string) {
 	testenv.RequireRoot(t)
 	root := testenv.Tmpfs(t, "768m")
 	pool := filepath.Join(root, "pool-zone-a")
-	for _, d := range []string{pool, filepath.Join(root, "state")} {
-		if err := os.MkdirAll(d, 0o700); err != nil {
-			t.Fatal(err)
-		}
+	if err := os.MkdirAll(pool, 0o700); err != nil {
+		t.Fatal(err)
 	}
 	pools := map[string]string{"zone-a": pool}
 	ctrl, err := block.NewController(pools)
@@ -39,16 +44,106 @@ func Run(t *testing.T, accessType string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d, err := driver.New(driver.Config{
-		Version:           "sanity",
-		Roles:             []driver.Role{driver.RoleController, driver.RoleNode},
-		NodeName:          "sanity-node",
-		Zone:              "zone-a",
-		StateDir:          filepath.Join(root, "state"),
-		MaxVolumesPerNode: 16,
-		Controllers:       map[accessmode.Backend]backend.Controller{accessmode.BackendBlock: ctrl},
-		Nodes:             map[accessmode.Backend]backend.Node{accessmode.BackendBlock: node},
+	cfg := sanity.NewTestConfig()
+	cfg.TestVolumeSize = 16 << 20
+	cfg.TestVolumeExpandSize = 32 << 20
+	cfg.TestVolumeAccessType = accessType
+	run(t, root, driver.Config{
+		Controllers: map[accessmode.Backend]backend.Controller{accessmode.BackendBlock: ctrl},
+		Nodes:       map[accessmode.Backend]backend.Node{accessmode.BackendBlock: node},
+	}, cfg)
+}
+
+// RunNFSWithFakeKernelMount runs the whole suite against the NFS backend:
+// the controller with a real ganesha (on loopback, on a free port) and real
+// storage; the node plugin with its kernel NFS mount replaced by a bind
+// mount of the exported directory (bindInsteadOfNFS), because this kernel
+// has no NFS client. Everything else on the node — lock files, bind mounts,
+// stats, size limits — is real.
+func RunNFSWithFakeKernelMount(t *testing.T) {
+	testenv.RequireRoot(t)
+	for _, cmd := range []string{"ganesha.nfsd", "dbus-daemon", "mkfs.xfs"} {
+		if _, err := exec.LookPath(cmd); err != nil {
+			t.Skipf("needs %s (Debian packages nfs-ganesha nfs-ganesha-vfs dbus xfsprogs)", cmd)
+		}
+	}
+	root := testenv.Tmpfs(t, "256m") // staging, targets, state: the volumes live on disk
+	disk := t.TempDir()
+	port := freePort(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	ctrl, stop, err := nfs.Setup(ctx, nfs.Options{
+		ExportRoot: filepath.Join(disk, "nfs"), PoolImageSize: 4 << 30, Storage: "auto",
+		Server: "127.0.0.1", Port: port, ListenAddress: "127.0.0.1", GaneshaDir: filepath.Join(disk, "ganesha"),
 	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			data, _ := os.ReadFile(filepath.Join(disk, "ganesha", "ganesha.log"))
+			t.Logf("ganesha.log:\n%s", data)
+		}
+		stop()
+		testenv.CleanupUnder(t, disk)
+	})
+	cfg := sanity.NewTestConfig()
+	cfg.TestVolumeSize = ctrl.MinimumSize()
+	cfg.TestVolumeExpandSize = ctrl.MinimumSize() + 64<<20
+	cfg.TestVolumeAccessType = "mount"
+	cfg.TestVolumeParameters = map[string]string{"backend": "nfs"}
+	run(t, root, driver.Config{
+		NodeAddress: "127.0.0.1",
+		Controllers: map[accessmode.Backend]backend.Controller{accessmode.BackendNFS: ctrl},
+		Nodes: map[accessmode.Backend]backend.Node{accessmode.BackendNFS: nfs.NewNode(
+			&bindInsteadOfNFS{Interface: mount.New(""), exportRoot: filepath.Join(disk, "nfs")})},
+	}, cfg)
+}
+
+// bindInsteadOfNFS stands in for the kernel's NFS client, which this
+// machine lacks: an "nfs4" mount of SERVER:/<pseudo> becomes a bind mount of
+// the directory the server exports under that pseudo path, so the node
+// specs act on the volume's real data with its real size limit. Every other
+// mount goes to the real mounter.
+type bindInsteadOfNFS struct {
+	mount.Interface
+	exportRoot string
+}
+
+func (b *bindInsteadOfNFS) Mount(source, target, fstype string, options []string) error {
+	if fstype != "nfs4" {
+		return b.Interface.Mount(source, target, fstype, options)
+	}
+	_, pseudo, ok := strings.Cut(source, ":/")
+	if !ok || strings.ContainsAny(pseudo, "/.") && !strings.HasPrefix(pseudo, "nfs__") {
+		return fmt.Errorf("not an export of this driver: %s", source)
+	}
+	opts := []string{"bind"}
+	if slices.Contains(options, "ro") {
+		opts = append(opts, "ro")
+	}
+	return b.Interface.Mount(filepath.Join(b.exportRoot, "volumes", pseudo), target, "", opts)
+}
+
+func freePort(t *testing.T) int {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// run serves cfg's backends as one controller+node driver over a unix
+// socket under root and runs the suite against it.
+func run(t *testing.T, root string, dcfg driver.Config, cfg sanity.TestConfig) {
+	dcfg.Version = "sanity"
+	dcfg.Roles = []driver.Role{driver.RoleController, driver.RoleNode}
+	dcfg.NodeName = "sanity-node"
+	dcfg.Zone = "zone-a"
+	dcfg.StateDir = filepath.Join(root, "state")
+	dcfg.MaxVolumesPerNode = 16
+	d, err := driver.New(dcfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -61,13 +156,9 @@ func Run(t *testing.T, accessType string) {
 	go srv.Serve(lis)
 	t.Cleanup(srv.Stop)
 
-	cfg := sanity.NewTestConfig()
 	cfg.Address = "unix://" + sock
 	cfg.TargetPath = filepath.Join(root, "target")
 	cfg.StagingPath = filepath.Join(root, "staging")
-	cfg.TestVolumeSize = 16 << 20
-	cfg.TestVolumeExpandSize = 32 << 20
-	cfg.TestVolumeAccessType = accessType
 	cfg.IdempotentCount = 10
 	cfg.TestNodeVolumeAttachLimit = true
 	sanity.Test(t, cfg)

@@ -170,6 +170,14 @@ func (c *Controller) loadMeta(id volumeid.ID, path string) error {
 func (c *Controller) Backend() accessmode.Backend { return accessmode.BackendBlock }
 
 // Zones lists the zones that have a pool, sorted.
+// MinimumSize is 0: the filesystem's own minimum (see the driver) is the
+// only floor, and raw block volumes have none.
+func (c *Controller) MinimumSize() int64 { return 0 }
+
+// NodeExpansionRequired: the node must refresh its loop device and grow the
+// filesystem before a workload sees a bigger volume.
+func (c *Controller) NodeExpansionRequired() bool { return true }
+
 func (c *Controller) Zones() []string { return slices.Clone(c.zones) }
 
 func (c *Controller) poolFor(id volumeid.ID, kind volumeid.Kind) (*pool, error) {

@@ -1,0 +1,780 @@
+// Package nfs is the backend that serves every volume as one nfs-ganesha
+// export whose client list is exactly the nodes the volume is published to.
+//
+// # Storage and size limits
+//
+// Volume data lives on one xfs filesystem mounted with project quotas (the
+// export root, see package projquota): each volume is a directory with its
+// own project id and a hard block limit equal to its capacity, so a volume of
+// N bytes never holds more than N bytes, and clients see N as the size of the
+// filesystem. Project quotas were chosen over one loop-mounted image per
+// volume because growing a volume is then raising a limit (online, and
+// without CAP_SYS_RESOURCE, which growing a mounted ext4 needs), snapshots and
+// clones are reflink copies, and a restart re-attaches one filesystem rather
+// than one loop device per volume.
+//
+// # Layout of the export root
+//
+//	ROOT/volumes/<file name>/          a volume's data: what ganesha exports
+//	ROOT/snapshots/<file name>/        a snapshot's data (never exported)
+//	ROOT/meta/volumes/<file name>.json the volume record: backend.Volume plus export and project ids
+//	ROOT/meta/snapshots/<file name>.json
+//
+// and one export file per volume, EXPORTS/<file name>.conf, which ganesha
+// includes from its configuration.
+//
+// # Order of writes
+//
+// The record is the truth. A volume's directory is created before its record
+// and removed after it; its export file is rendered from the record, written
+// atomically, and only then is ganesha told. On start every export file is
+// rendered again from the records, export files and directories without a
+// record are removed, and ganesha is told to drop every export it has that no
+// record names: after a crash nothing is ever served wider than the records
+// say.
+package nfs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha"
+	"github.com/modeguard/modeguard/pkg/fsutil"
+	"github.com/modeguard/modeguard/pkg/nodeid"
+	"github.com/modeguard/modeguard/pkg/volumeid"
+)
+
+// Volume context keys the node plugin mounts from.
+const (
+	ContextServer = "nfsServer"
+	ContextShare  = "nfsShare"
+	ContextPort   = "nfsPort"
+)
+
+// Exporter is what the controller needs of ganesha.
+type Exporter interface {
+	ApplyExport(ctx context.Context, confPath string, id uint16) error
+	RemoveExport(ctx context.Context, id uint16) error
+	Exports(ctx context.Context) ([]ganesha.ExportInfo, error)
+}
+
+// Config is what the NFS controller is told at start.
+type Config struct {
+	Storage   Storage
+	ExportDir string // where export files go; ganesha includes this directory
+	Server    string // the address nodes mount from
+	Port      int    // ganesha's NFS port (2049 when zero)
+}
+
+// volumeRecord is a volume's record on disk.
+type volumeRecord struct {
+	Volume    backend.Volume `json:"volume"`
+	ExportID  uint16         `json:"exportID"`
+	ProjectID uint32         `json:"projectID"`
+}
+
+type snapshotRecord struct {
+	Snapshot  backend.Snapshot `json:"snapshot"`
+	ProjectID uint32           `json:"projectID"`
+}
+
+// Controller implements backend.Controller for NFS.
+type Controller struct {
+	cfg      Config
+	exporter Exporter // set by Start
+
+	mu        sync.Mutex
+	volumes   map[string]*volumeRecord // by id
+	snapshots map[string]*snapshotRecord
+	exportIDs map[uint16]string // export id -> volume id, including reservations
+	projects  map[uint32]string // project id -> volume or snapshot id, including reservations
+	committed int64             // bytes promised to volumes and snapshots
+}
+
+var _ backend.Controller = (*Controller)(nil)
+
+// NewController loads every record, makes the recorded storage usable and
+// renders every export file from the records, removing export files no
+// record names. It tells no ganesha anything: this is what must be on disk
+// before ganesha starts, so that it comes up serving exactly the recorded
+// exports. Start completes the work once ganesha runs.
+func NewController(ctx context.Context, cfg Config) (*Controller, error) {
+	if cfg.Storage == nil || cfg.ExportDir == "" {
+		return nil, errors.New("nfs: storage and export directory are required")
+	}
+	if _, err := netip.ParseAddr(cfg.Server); err != nil {
+		return nil, fmt.Errorf("nfs: server address %q is not an IP address: %w", cfg.Server, err)
+	}
+	if cfg.Port == 0 {
+		cfg.Port = 2049
+	}
+	c := &Controller{cfg: cfg, volumes: map[string]*volumeRecord{}, snapshots: map[string]*snapshotRecord{},
+		exportIDs: map[uint16]string{}, projects: map[uint32]string{}}
+	for _, d := range []string{c.dir("volumes"), c.dir("snapshots"), c.dir("meta", "volumes"), c.dir("meta", "snapshots"), cfg.ExportDir} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return nil, err
+		}
+	}
+	// Exported directories must be reachable by the squashed users the
+	// server maps clients to; their parent must let them through.
+	if err := os.Chmod(c.dir("volumes"), 0o711); err != nil {
+		return nil, err
+	}
+	if err := c.load(); err != nil {
+		return nil, err
+	}
+	if err := c.prepareOffline(ctx); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// Start connects the controller to a running ganesha: it drops every export
+// no record names, removes storage no record accounts for (only now, when no
+// stale export holds it busy), and makes ganesha serve every recorded export
+// with its recorded clients.
+func (c *Controller) Start(ctx context.Context, exporter Exporter) error {
+	c.exporter = exporter
+	return c.reconcileOnline(ctx)
+}
+
+func (c *Controller) dir(elem ...string) string {
+	return filepath.Join(append([]string{c.cfg.Storage.Root()}, elem...)...)
+}
+
+func (c *Controller) Backend() accessmode.Backend { return accessmode.BackendNFS }
+
+// Zones is nil: every node of every zone can reach the NFS server.
+func (c *Controller) Zones() []string { return nil }
+
+// NodeExpansionRequired is false: a raised quota is what clients see at once.
+func (c *Controller) NodeExpansionRequired() bool { return false }
+
+func (c *Controller) volumeRel(id volumeid.ID) string { return filepath.Join("volumes", id.FileName()) }
+func (c *Controller) snapshotRel(id volumeid.ID) string {
+	return filepath.Join("snapshots", id.FileName())
+}
+func (c *Controller) volumeMeta(id volumeid.ID) string {
+	return c.dir("meta", "volumes", id.FileName()+".json")
+}
+func (c *Controller) snapshotMeta(id volumeid.ID) string {
+	return c.dir("meta", "snapshots", id.FileName()+".json")
+}
+func (c *Controller) exportFile(id volumeid.ID) string {
+	return filepath.Join(c.cfg.ExportDir, id.FileName()+".conf")
+}
+
+// pseudo is the path clients mount: one per volume.
+func pseudo(id volumeid.ID) string { return "/" + id.FileName() }
+
+func (c *Controller) load() error {
+	entries, err := os.ReadDir(c.dir("meta", "volumes"))
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		if !strings.HasSuffix(e.Name(), ".json") || strings.HasPrefix(e.Name(), ".") {
+			continue
+		}
+		rec := &volumeRecord{}
+		if err := fsutil.ReadJSON(c.dir("meta", "volumes", e.Name()), rec); err != nil {
+			return fmt.Errorf("nfs: a volume record is unreadable; refusing to start rather than lose track of it: %w", err)
+		}
+		id, err := volumeid.ParseKind(rec.Volume.ID, volumeid.Volume)
+		if err != nil || id.FileName()+".json" != e.Name() {
+			return fmt.Errorf("nfs: volume record %s names volume %q", e.Name(), rec.Volume.ID)
+		}
+		c.volumes[rec.Volume.ID] = rec
+		c.exportIDs[rec.ExportID] = rec.Volume.ID
+		c.projects[rec.ProjectID] = rec.Volume.ID
+		c.committed += rec.Volume.CapacityBytes
+	}
+	entries, err = os.ReadDir(c.dir("meta", "snapshots"))
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		if !strings.HasSuffix(e.Name(), ".json") || strings.HasPrefix(e.Name(), ".") {
+			continue
+		}
+		rec := &snapshotRecord{}
+		if err := fsutil.ReadJSON(c.dir("meta", "snapshots", e.Name()), rec); err != nil {
+			return fmt.Errorf("nfs: a snapshot record is unreadable: %w", err)
+		}
+		c.snapshots[rec.Snapshot.ID] = rec
+		c.projects[rec.ProjectID] = rec.Snapshot.ID
+		c.committed += rec.Snapshot.SizeBytes
+	}
+	return nil
+}
+
+// prepareOffline restores the recorded storage and renders every export
+// file from the records, removing the export files of no record.
+func (c *Controller) prepareOffline(ctx context.Context) error {
+	keepExports := map[string]bool{}
+	for _, rec := range c.volumes {
+		id, _ := volumeid.Parse(rec.Volume.ID)
+		keepExports[id.FileName()+".conf"] = true
+		// The storage is mounted before ganesha may export its path:
+		// otherwise ganesha would serve the empty directory beneath.
+		if err := c.cfg.Storage.Restore(ctx, c.volumeRel(id), rec.ProjectID); err != nil {
+			return fmt.Errorf("nfs: restoring the storage of %s: %w", rec.Volume.ID, err)
+		}
+	}
+	for _, rec := range c.snapshots {
+		id, _ := volumeid.Parse(rec.Snapshot.ID)
+		if err := c.cfg.Storage.Restore(ctx, c.snapshotRel(id), rec.ProjectID); err != nil {
+			return fmt.Errorf("nfs: restoring the storage of %s: %w", rec.Snapshot.ID, err)
+		}
+	}
+	entries, err := os.ReadDir(c.cfg.ExportDir)
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		if keepExports[e.Name()] {
+			continue
+		}
+		klog.InfoS("Removing an export file no volume record accounts for", "file", e.Name())
+		if err := os.Remove(filepath.Join(c.cfg.ExportDir, e.Name())); err != nil {
+			return err
+		}
+	}
+	for _, rec := range c.volumes {
+		if err := c.writeExportFile(rec); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// reconcileOnline makes the running ganesha match the records.
+func (c *Controller) reconcileOnline(ctx context.Context) error {
+	served, err := c.exporter.Exports(ctx)
+	if err != nil {
+		return fmt.Errorf("nfs: listing ganesha's exports: %w", err)
+	}
+	for _, ex := range served {
+		if ex.ID == 0 {
+			continue // the pseudo root
+		}
+		if _, ours := c.exportIDs[ex.ID]; ours {
+			continue
+		}
+		klog.InfoS("Removing a stale export from ganesha", "exportID", ex.ID, "path", ex.Path)
+		if err := c.exporter.RemoveExport(ctx, ex.ID); err != nil && !ganesha.IsNotFound(err) {
+			return fmt.Errorf("nfs: removing stale export %d: %w", ex.ID, err)
+		}
+	}
+	keep := map[string]bool{}
+	for _, rec := range c.volumes {
+		id, _ := volumeid.Parse(rec.Volume.ID)
+		keep[c.volumeRel(id)] = true
+	}
+	for _, rec := range c.snapshots {
+		id, _ := volumeid.Parse(rec.Snapshot.ID)
+		keep[c.snapshotRel(id)] = true
+	}
+	removed, err := c.cfg.Storage.Prune(ctx, keep)
+	for _, rel := range removed {
+		klog.InfoS("Removed NFS data no record accounts for (a crash leftover)", "path", c.dir(rel))
+	}
+	if err != nil {
+		return fmt.Errorf("nfs: removing leftovers: %w", err)
+	}
+	for _, rec := range c.volumes {
+		if err := c.applyExport(ctx, rec); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// export renders what ganesha must serve for a volume.
+func (c *Controller) export(rec *volumeRecord) (ganesha.Export, error) {
+	id, err := volumeid.Parse(rec.Volume.ID)
+	if err != nil {
+		return ganesha.Export{}, err
+	}
+	e := ganesha.Export{
+		ID: rec.ExportID, Path: c.dir(c.volumeRel(id)), Pseudo: pseudo(id),
+		Squash: ganesha.Squash("root_squash"), Comment: "modeguard volume " + rec.Volume.ID,
+	}
+	if rs, ok := rec.Volume.Parameters["rootSquash"]; ok {
+		if b, _ := strconv.ParseBool(rs); !b {
+			e.Squash = ganesha.Squash("no_root_squash")
+		}
+	}
+	for _, a := range rec.Volume.Attachments {
+		n, err := nodeid.Parse(a.NodeID)
+		if err != nil || n.Address == "" {
+			return ganesha.Export{}, status.Errorf(codes.FailedPrecondition,
+				"node %q has no NFS client address; start its node plugin with --node-address", a.NodeID)
+		}
+		e.Clients = append(e.Clients, ganesha.ClientRule{Address: netip.MustParseAddr(n.Address), ReadOnly: a.ReadOnly})
+	}
+	return e, nil
+}
+
+// writeExportFile renders the volume's export file from its record.
+func (c *Controller) writeExportFile(rec *volumeRecord) error {
+	e, err := c.export(rec)
+	if err != nil {
+		return err
+	}
+	id, _ := volumeid.Parse(rec.Volume.ID)
+	if err := ganesha.WriteExportFile(c.exportFile(id), e); err != nil {
+		return status.Errorf(codes.Internal, "writing the export file of %s: %v", rec.Volume.ID, err)
+	}
+	return nil
+}
+
+// applyExport writes the volume's export file and tells ganesha.
+func (c *Controller) applyExport(ctx context.Context, rec *volumeRecord) error {
+	if err := c.writeExportFile(rec); err != nil {
+		return err
+	}
+	id, _ := volumeid.Parse(rec.Volume.ID)
+	if err := c.exporter.ApplyExport(ctx, c.exportFile(id), rec.ExportID); err != nil {
+		return status.Errorf(codes.Unavailable, "ganesha refused the export of %s: %v", rec.Volume.ID, err)
+	}
+	return nil
+}
+
+// reserve promises bytes to owner and takes the lowest free export id (when
+// needExport) and project id, all under one lock, so concurrent creates can
+// never promise the same bytes or ids twice. release undoes it.
+func (c *Controller) reserve(ctx context.Context, owner string, needExport bool, bytes int64) (uint16, uint32, error) {
+	free, total, err := c.poolSpace()
+	if err != nil {
+		return 0, 0, err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if avail := min(free, total-c.committed); avail < bytes {
+		return 0, 0, status.Errorf(codes.ResourceExhausted,
+			"the NFS pool can promise %d more bytes, not %d", max(0, avail), bytes)
+	}
+	var exportID uint16
+	if needExport {
+		for i := uint16(1); i != 0; i++ {
+			if _, used := c.exportIDs[i]; !used {
+				exportID = i
+				break
+			}
+		}
+		if exportID == 0 {
+			return 0, 0, status.Error(codes.ResourceExhausted, "every NFS export id (1..65535) is in use")
+		}
+		c.exportIDs[exportID] = owner
+	}
+	var project uint32
+	for p := uint32(1); ; p++ {
+		if _, used := c.projects[p]; !used {
+			project = p
+			break
+		}
+	}
+	c.projects[project] = owner
+	c.committed += bytes
+	return exportID, project, nil
+}
+
+func (c *Controller) release(exportID uint16, project uint32, bytes int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if exportID != 0 {
+		delete(c.exportIDs, exportID)
+	}
+	delete(c.projects, project)
+	c.committed -= bytes
+}
+
+func (c *Controller) poolSpace() (free, total int64, err error) {
+	if free, err = c.cfg.Storage.Free(); err != nil {
+		return 0, 0, status.Errorf(codes.Internal, "reading the pool's free space: %v", err)
+	}
+	if total, err = c.cfg.Storage.Size(); err != nil {
+		return 0, 0, status.Errorf(codes.Internal, "reading the pool's size: %v", err)
+	}
+	return free, total, nil
+}
+
+// Capacity is what a new volume could still get: the pool's free space, and
+// no more than what is not yet promised to other volumes and snapshots (the
+// pool is not overcommitted, so a promised volume can always fill up).
+func (c *Controller) Capacity(ctx context.Context, zone string) (int64, error) {
+	if zone != "" {
+		return 0, status.Errorf(codes.InvalidArgument, "NFS volumes have no zone; got %q", zone)
+	}
+	free, total, err := c.poolSpace()
+	if err != nil {
+		return 0, err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return max(0, min(free, total-c.committed)), nil
+}
+
+func (c *Controller) commit(delta int64) {
+	c.mu.Lock()
+	c.committed += delta
+	c.mu.Unlock()
+}
+
+// promise commits more bytes to an existing volume if the pool has them.
+func (c *Controller) promise(bytes int64) error {
+	free, total, err := c.poolSpace()
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if avail := min(free, total-c.committed); avail < bytes {
+		return status.Errorf(codes.ResourceExhausted, "the NFS pool can promise %d more bytes, not %d", max(0, avail), bytes)
+	}
+	c.committed += bytes
+	return nil
+}
+
+// MinimumSize is the smallest volume the storage can make.
+func (c *Controller) MinimumSize() int64 { return c.cfg.Storage.MinSize() }
+
+// sourceTree finds the directory a new volume is copied from.
+func (c *Controller) sourceTree(src *backend.Source) (string, error) {
+	if src == nil {
+		return "", nil
+	}
+	if src.SnapshotID != "" {
+		id, err := volumeid.ParseKind(src.SnapshotID, volumeid.Snapshot)
+		if err != nil || id.Backend != accessmode.BackendNFS {
+			return "", status.Errorf(codes.InvalidArgument, "snapshot %q is not an NFS snapshot; an NFS volume can only be restored from one", src.SnapshotID)
+		}
+		c.mu.Lock()
+		_, ok := c.snapshots[id.String()]
+		c.mu.Unlock()
+		if !ok {
+			return "", status.Errorf(codes.NotFound, "snapshot %s does not exist", src.SnapshotID)
+		}
+		return c.snapshotRel(id), nil
+	}
+	id, err := volumeid.ParseKind(src.VolumeID, volumeid.Volume)
+	if err != nil || id.Backend != accessmode.BackendNFS {
+		return "", status.Errorf(codes.InvalidArgument, "volume %q is not an NFS volume; an NFS volume can only be cloned from one", src.VolumeID)
+	}
+	c.mu.Lock()
+	_, ok := c.volumes[id.String()]
+	c.mu.Unlock()
+	if !ok {
+		return "", status.Errorf(codes.NotFound, "volume %s does not exist", src.VolumeID)
+	}
+	return c.volumeRel(id), nil
+}
+
+func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) (*backend.Volume, error) {
+	if spec.AccessType != accessmode.Mount {
+		return nil, status.Error(codes.InvalidArgument, "backend nfs serves filesystems only; for access type block use backend block")
+	}
+	if spec.ID.Backend != accessmode.BackendNFS || spec.ID.Zone != "" {
+		return nil, status.Errorf(codes.InvalidArgument, "id %s is not an NFS volume id", spec.ID)
+	}
+	c.mu.Lock()
+	_, exists := c.volumes[spec.ID.String()]
+	c.mu.Unlock()
+	if exists {
+		return nil, status.Errorf(codes.AlreadyExists, "volume %s already exists", spec.ID)
+	}
+	srcRel, err := c.sourceTree(spec.Source)
+	if err != nil {
+		return nil, err
+	}
+	exportID, project, err := c.reserve(ctx, spec.ID.String(), true, spec.CapacityBytes)
+	if err != nil {
+		return nil, err
+	}
+	rel := c.volumeRel(spec.ID)
+	if srcRel != "" {
+		err = c.cfg.Storage.Copy(ctx, srcRel, rel, project, spec.CapacityBytes)
+	} else {
+		err = c.cfg.Storage.Create(ctx, rel, project, spec.CapacityBytes)
+	}
+	if err != nil {
+		c.release(exportID, project, spec.CapacityBytes)
+		return nil, status.Errorf(codes.Internal, "creating the storage of %s: %v", spec.ID, err)
+	}
+	rec := &volumeRecord{
+		Volume: backend.Volume{
+			ID: spec.ID.String(), Name: spec.Name, CapacityBytes: spec.CapacityBytes,
+			AccessType: spec.AccessType, FsType: "", Modes: spec.Modes, Parameters: spec.Parameters,
+			Source: spec.Source, CreatedAt: time.Now().UTC(),
+			Context: map[string]string{
+				ContextServer: c.cfg.Server, ContextShare: pseudo(spec.ID), ContextPort: strconv.Itoa(c.cfg.Port),
+			},
+		},
+		ExportID: exportID, ProjectID: project,
+	}
+	if err := fsutil.WriteJSONAtomic(c.volumeMeta(spec.ID), rec); err != nil {
+		_ = c.cfg.Storage.Remove(ctx, rel, project)
+		c.release(exportID, project, spec.CapacityBytes)
+		return nil, status.Errorf(codes.Internal, "recording %s: %v", spec.ID, err)
+	}
+	c.mu.Lock()
+	c.volumes[rec.Volume.ID] = rec
+	c.mu.Unlock()
+	if err := c.applyExport(ctx, rec); err != nil {
+		// The record stands; a retried CreateVolume finds it, and the next
+		// start serves its (still client-less) export.
+		return nil, err
+	}
+	out := rec.Volume
+	return &out, nil
+}
+
+func (c *Controller) record(id volumeid.ID) (*volumeRecord, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	rec, ok := c.volumes[id.String()]
+	if !ok {
+		return nil, status.Errorf(codes.NotFound, "volume %s does not exist", id)
+	}
+	cp := *rec
+	return &cp, nil
+}
+
+func (c *Controller) Volume(ctx context.Context, id volumeid.ID) (*backend.Volume, error) {
+	rec, err := c.record(id)
+	if err != nil {
+		return nil, err
+	}
+	out := rec.Volume
+	return &out, nil
+}
+
+func (c *Controller) DeleteVolume(ctx context.Context, id volumeid.ID) error {
+	rec, err := c.record(id)
+	if status.Code(err) == codes.NotFound {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	// Access goes first, then the record, then the data.
+	if err := c.exporter.RemoveExport(ctx, rec.ExportID); err != nil && !ganesha.IsNotFound(err) {
+		return status.Errorf(codes.Unavailable, "removing the export of %s: %v", id, err)
+	}
+	if err := fsutil.RemoveDurably(c.exportFile(id)); err != nil {
+		return status.Errorf(codes.Internal, "removing the export file of %s: %v", id, err)
+	}
+	if err := fsutil.RemoveDurably(c.volumeMeta(id)); err != nil {
+		return status.Errorf(codes.Internal, "removing the record of %s: %v", id, err)
+	}
+	c.mu.Lock()
+	delete(c.volumes, id.String())
+	c.mu.Unlock()
+	if err := c.cfg.Storage.Remove(ctx, c.volumeRel(id), rec.ProjectID); err != nil {
+		klog.ErrorS(err, "Removing the data of a deleted volume; the next start removes it", "volumeID", id)
+	}
+	c.release(rec.ExportID, rec.ProjectID, rec.Volume.CapacityBytes)
+	return nil
+}
+
+// SetAttachments records the nodes and makes the export's client list
+// exactly their addresses. If ganesha cannot be told, the record is put back,
+// so a retried publish or unpublish does the work again.
+func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachments []accessmode.Attachment) (*backend.Volume, error) {
+	rec, err := c.record(id)
+	if err != nil {
+		return nil, err
+	}
+	seen := map[string]string{}
+	for _, a := range attachments {
+		n, err := nodeid.Parse(a.NodeID)
+		if err != nil || n.Address == "" {
+			return nil, status.Errorf(codes.FailedPrecondition,
+				"node %q has no NFS client address; start its node plugin with --node-address", a.NodeID)
+		}
+		if other, dup := seen[n.Address]; dup {
+			return nil, status.Errorf(codes.FailedPrecondition,
+				"nodes %q and %q report the same NFS client address %s; the server could not tell them apart", other, a.NodeID, n.Address)
+		}
+		seen[n.Address] = a.NodeID
+	}
+	old := *rec
+	rec.Volume.Attachments = attachments
+	if err := fsutil.WriteJSONAtomic(c.volumeMeta(id), rec); err != nil {
+		return nil, status.Errorf(codes.Internal, "recording the attachments of %s: %v", id, err)
+	}
+	if err := c.applyExport(ctx, rec); err != nil {
+		if rerr := fsutil.WriteJSONAtomic(c.volumeMeta(id), &old); rerr != nil {
+			klog.ErrorS(rerr, "Restoring a volume record after ganesha refused its export", "volumeID", id)
+		}
+		if rerr := c.applyExport(ctx, &old); rerr != nil {
+			klog.ErrorS(rerr, "Restoring an export after ganesha refused its update", "volumeID", id)
+		}
+		return nil, err
+	}
+	c.mu.Lock()
+	c.volumes[id.String()] = rec
+	c.mu.Unlock()
+	out := rec.Volume
+	return &out, nil
+}
+
+func (c *Controller) ExpandVolume(ctx context.Context, id volumeid.ID, bytes int64) (*backend.Volume, error) {
+	rec, err := c.record(id)
+	if err != nil {
+		return nil, err
+	}
+	if bytes <= rec.Volume.CapacityBytes {
+		out := rec.Volume
+		return &out, nil
+	}
+	growth := bytes - rec.Volume.CapacityBytes
+	if err := c.promise(growth); err != nil {
+		return nil, err
+	}
+	if err := c.cfg.Storage.Grow(ctx, c.volumeRel(id), rec.ProjectID, bytes); err != nil {
+		c.commit(-growth)
+		return nil, status.Errorf(codes.Internal, "raising the limit of %s: %v", id, err)
+	}
+	rec.Volume.CapacityBytes = bytes
+	if err := fsutil.WriteJSONAtomic(c.volumeMeta(id), rec); err != nil {
+		return nil, status.Errorf(codes.Internal, "recording the size of %s: %v", id, err)
+	}
+	c.mu.Lock()
+	c.volumes[id.String()] = rec
+	c.mu.Unlock()
+	out := rec.Volume
+	return &out, nil
+}
+
+func (c *Controller) ListVolumes(ctx context.Context) ([]*backend.Volume, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make([]*backend.Volume, 0, len(c.volumes))
+	for _, rec := range c.volumes {
+		v := rec.Volume
+		out = append(out, &v)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out, nil
+}
+
+func (c *Controller) VolumeHealth(ctx context.Context, id volumeid.ID) (backend.Health, error) {
+	rec, err := c.record(id)
+	if err != nil {
+		return backend.Health{}, err
+	}
+	if _, err := os.Stat(c.dir(c.volumeRel(id))); err != nil {
+		return backend.Health{Abnormal: true, Reason: "DataMissing", Message: fmt.Sprintf("the volume's directory is gone: %v", err)}, nil
+	}
+	if _, err := os.Stat(c.exportFile(id)); err != nil {
+		return backend.Health{Abnormal: true, Reason: "ExportMissing", Message: fmt.Sprintf("the volume's export file is gone: %v", err)}, nil
+	}
+	used, limit, err := c.cfg.Storage.Usage(ctx, c.volumeRel(id), rec.ProjectID)
+	if err == nil && limit > 0 && used >= limit {
+		return backend.Health{Abnormal: true, Reason: "Full", Message: fmt.Sprintf("the volume is full: %d of %d bytes used", used, limit)}, nil
+	}
+	return backend.Health{}, nil
+}
+
+func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name string, source volumeid.ID) (*backend.Snapshot, error) {
+	src, err := c.record(source)
+	if err != nil {
+		return nil, err
+	}
+	_, project, err := c.reserve(ctx, id.String(), false, src.Volume.CapacityBytes)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.cfg.Storage.Copy(ctx, c.volumeRel(source), c.snapshotRel(id), project, src.Volume.CapacityBytes); err != nil {
+		c.release(0, project, src.Volume.CapacityBytes)
+		return nil, status.Errorf(codes.Internal, "copying %s: %v", source, err)
+	}
+	rec := &snapshotRecord{Snapshot: backend.Snapshot{
+		ID: id.String(), Name: name, SourceVolumeID: source.String(), SizeBytes: src.Volume.CapacityBytes, CreatedAt: time.Now().UTC(),
+	}, ProjectID: project}
+	if err := fsutil.WriteJSONAtomic(c.snapshotMeta(id), rec); err != nil {
+		_ = c.cfg.Storage.Remove(ctx, c.snapshotRel(id), project)
+		c.release(0, project, src.Volume.CapacityBytes)
+		return nil, status.Errorf(codes.Internal, "recording snapshot %s: %v", id, err)
+	}
+	c.mu.Lock()
+	c.snapshots[id.String()] = rec
+	c.mu.Unlock()
+	out := rec.Snapshot
+	return &out, nil
+}
+
+func (c *Controller) Snapshot(ctx context.Context, id volumeid.ID) (*backend.Snapshot, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	rec, ok := c.snapshots[id.String()]
+	if !ok {
+		return nil, status.Errorf(codes.NotFound, "snapshot %s does not exist", id)
+	}
+	out := rec.Snapshot
+	return &out, nil
+}
+
+func (c *Controller) DeleteSnapshot(ctx context.Context, id volumeid.ID) error {
+	c.mu.Lock()
+	rec, ok := c.snapshots[id.String()]
+	c.mu.Unlock()
+	if !ok {
+		return nil
+	}
+	if err := fsutil.RemoveDurably(c.snapshotMeta(id)); err != nil {
+		return status.Errorf(codes.Internal, "removing the record of %s: %v", id, err)
+	}
+	c.mu.Lock()
+	delete(c.snapshots, id.String())
+	c.mu.Unlock()
+	if err := c.cfg.Storage.Remove(ctx, c.snapshotRel(id), rec.ProjectID); err != nil {
+		klog.ErrorS(err, "Removing the data of a deleted snapshot; the next start removes it", "snapshotID", id)
+	}
+	c.release(0, rec.ProjectID, rec.Snapshot.SizeBytes)
+	return nil
+}
+
+func (c *Controller) ListSnapshots(ctx context.Context) ([]*backend.Snapshot, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make([]*backend.Snapshot, 0, len(c.snapshots))
+	for _, rec := range c.snapshots {
+		s := rec.Snapshot
+		out = append(out, &s)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out, nil
+}
+
+// ClientList returns the addresses the volume's export is open to, RW or
+// RO, as recorded: what `modeguard inspect` and the tests compare against
+// what clients can actually do.
+func (c *Controller) ClientList(id volumeid.ID) ([]ganesha.ClientRule, error) {
+	rec, err := c.record(id)
+	if err != nil {
+		return nil, err
+	}
+	e, err := c.export(rec)
+	if err != nil {
+		return nil, err
+	}
+	return e.Clients, nil
+}

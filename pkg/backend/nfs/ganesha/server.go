@@ -1,0 +1,690 @@
+package ganesha
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"k8s.io/klog/v2"
+)
+
+// ServerConfig says how to run ganesha.
+type ServerConfig struct {
+	// Dir is the runtime directory (created 0700): ganesha.conf, bus.conf,
+	// bus.sock, recovery/, logs and pid files.
+	Dir string
+	// ExportDir holds the export files and nothing else; ganesha.conf
+	// includes it with %dir, so a (re)start serves every export in it.
+	// Created 0700 when missing. Defaults to Dir/exports.
+	ExportDir string
+	// Port is the NFS port, 2049 when zero.
+	Port int
+	// ListenAddress, when set, is the only address ganesha listens on
+	// (Bind_addr).
+	ListenAddress string
+	// GaneshaBinary and DBusBinary default to ganesha.nfsd and dbus-daemon,
+	// looked up in PATH.
+	GaneshaBinary, DBusBinary string
+	// NetNSPath, when set (e.g. /run/netns/x), runs both processes in that
+	// network namespace: they are started as
+	// "nsenter --net=NetNSPath -- BINARY ...", which enters the namespace
+	// and executes BINARY in place, so the PID is the daemon's own. Only the
+	// network namespace changes; the mount namespace stays the caller's.
+	NetNSPath string
+	// NsenterBinary defaults to nsenter, looked up in PATH.
+	NsenterBinary string
+	// LogLevel is ganesha's -N, NIV_EVENT when empty.
+	LogLevel string
+	// ReadyTimeout bounds each start until ganesha answers on D-Bus (10 s
+	// when zero); StopTimeout bounds how long Stop waits after SIGTERM
+	// before SIGKILL (15 s when zero; ganesha takes a few seconds).
+	ReadyTimeout, StopTimeout time.Duration
+	// Logf receives the supervisor's messages; klog.Infof when nil.
+	Logf func(format string, args ...any)
+}
+
+// File names in ServerConfig.Dir.
+const (
+	GaneshaConfName = "ganesha.conf"
+	BusConfName     = "bus.conf"
+	BusSocketName   = "bus.sock"
+	GaneshaLogName  = "ganesha.log"
+	GaneshaOutName  = "ganesha.out" // ganesha's stdout and stderr
+	GaneshaPIDName  = "ganesha.pid"
+	BusOutName      = "dbus.out"
+	BusPIDName      = "dbus.pid"
+	RecoveryDirName = "recovery"
+)
+
+const (
+	minBackoff  = 200 * time.Millisecond
+	maxBackoff  = 10 * time.Second
+	stableAfter = 30 * time.Second
+)
+
+// proc is one child process and its end.
+type proc struct {
+	cmd     *exec.Cmd
+	pid     int
+	started time.Time
+	done    chan struct{} // closed once Wait returned
+	err     error         // Wait's result, valid after done
+}
+
+func (p *proc) exited() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// Server runs and supervises a private dbus-daemon and ganesha.nfsd.
+type Server struct {
+	cfg     ServerConfig
+	control *Control
+	logf    func(string, ...any)
+
+	mu       sync.Mutex
+	ganesha  *proc
+	bus      *proc
+	restarts int
+
+	stopCh   chan struct{}
+	supDone  chan struct{}
+	stopOnce sync.Once
+	stopErr  error
+}
+
+// StartServer starts the bus, then ganesha, and returns once ganesha
+// answers on D-Bus. If ganesha exits or is not ready within
+// cfg.ReadyTimeout, everything started is stopped and the error carries the
+// tail of ganesha's log. Processes left behind by an earlier Server on the
+// same Dir (found through its pid files) are stopped first.
+func StartServer(ctx context.Context, cfg ServerConfig) (*Server, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	for _, d := range []string{cfg.Dir, filepath.Join(cfg.Dir, RecoveryDirName), cfg.ExportDir} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return nil, fmt.Errorf("ganesha: %w", err)
+		}
+	}
+	if err := os.Chmod(cfg.Dir, 0o700); err != nil {
+		return nil, fmt.Errorf("ganesha: %w", err)
+	}
+	s := &Server{cfg: cfg, stopCh: make(chan struct{}), supDone: make(chan struct{})}
+	s.logf = cfg.Logf
+	if s.logf == nil {
+		s.logf = klog.Infof
+	}
+	s.stopStale()
+	if err := os.WriteFile(s.path(GaneshaConfName), cfg.ganeshaConf(), 0o600); err != nil {
+		return nil, fmt.Errorf("ganesha: %w", err)
+	}
+	if err := os.WriteFile(s.path(BusConfName), cfg.busConf(), 0o600); err != nil {
+		return nil, fmt.Errorf("ganesha: %w", err)
+	}
+
+	bus, err := s.startBus(ctx)
+	if err != nil {
+		return nil, err
+	}
+	s.bus = bus
+	control, err := Dial(s.DBusAddress())
+	if err != nil {
+		s.terminate(bus)
+		return nil, err
+	}
+	s.control = control
+	g, err := s.startGanesha(ctx)
+	if err != nil {
+		control.Close()
+		s.terminate(bus)
+		return nil, err
+	}
+	s.ganesha = g
+	go s.supervise()
+	return s, nil
+}
+
+func (cfg ServerConfig) withDefaults() (ServerConfig, error) {
+	if cfg.Dir == "" {
+		return cfg, errors.New("ganesha: ServerConfig.Dir is required")
+	}
+	var err error
+	if cfg.Dir, err = filepath.Abs(cfg.Dir); err != nil {
+		return cfg, err
+	}
+	if cfg.ExportDir == "" {
+		cfg.ExportDir = filepath.Join(cfg.Dir, "exports")
+	}
+	if cfg.ExportDir, err = filepath.Abs(cfg.ExportDir); err != nil {
+		return cfg, err
+	}
+	// Both paths end up inside ganesha.conf or bus.conf.
+	if err := checkPath("runtime directory", cfg.Dir); err != nil {
+		return cfg, fmt.Errorf("ganesha: %w", err)
+	}
+	if err := checkPath("export directory", cfg.ExportDir); err != nil {
+		return cfg, fmt.Errorf("ganesha: %w", err)
+	}
+	if len(filepath.Join(cfg.Dir, BusSocketName)) > 100 {
+		return cfg, fmt.Errorf("ganesha: runtime directory %q is too long for a unix socket path", cfg.Dir)
+	}
+	if cfg.Port == 0 {
+		cfg.Port = 2049
+	}
+	if cfg.Port < 1 || cfg.Port > 65535 {
+		return cfg, fmt.Errorf("ganesha: port %d out of range", cfg.Port)
+	}
+	if cfg.ListenAddress != "" {
+		a, err := netip.ParseAddr(cfg.ListenAddress)
+		if err != nil || a.Zone() != "" {
+			return cfg, fmt.Errorf("ganesha: listen address %q is not an IP address without zone", cfg.ListenAddress)
+		}
+		cfg.ListenAddress = a.String()
+	}
+	if cfg.LogLevel == "" {
+		cfg.LogLevel = "NIV_EVENT"
+	}
+	if !regexpLogLevel(cfg.LogLevel) {
+		return cfg, fmt.Errorf("ganesha: log level %q", cfg.LogLevel)
+	}
+	if cfg.ReadyTimeout <= 0 {
+		cfg.ReadyTimeout = 10 * time.Second
+	}
+	if cfg.StopTimeout <= 0 {
+		cfg.StopTimeout = 15 * time.Second
+	}
+	if cfg.GaneshaBinary == "" {
+		cfg.GaneshaBinary = "ganesha.nfsd"
+	}
+	if cfg.DBusBinary == "" {
+		cfg.DBusBinary = "dbus-daemon"
+	}
+	if cfg.NsenterBinary == "" {
+		cfg.NsenterBinary = "nsenter"
+	}
+	bins := []*string{&cfg.GaneshaBinary, &cfg.DBusBinary}
+	if cfg.NetNSPath != "" {
+		bins = append(bins, &cfg.NsenterBinary)
+		if _, err := os.Stat(cfg.NetNSPath); err != nil {
+			return cfg, fmt.Errorf("ganesha: network namespace: %w", err)
+		}
+	}
+	for _, b := range bins {
+		p, err := exec.LookPath(*b)
+		if err != nil {
+			return cfg, fmt.Errorf("ganesha: %w", err)
+		}
+		*b = p
+	}
+	return cfg, nil
+}
+
+func regexpLogLevel(s string) bool {
+	if !strings.HasPrefix(s, "NIV_") || len(s) > 32 {
+		return false
+	}
+	for _, r := range s[4:] {
+		if r < 'A' || r > 'Z' {
+			return false
+		}
+	}
+	return true
+}
+
+// ganeshaConf renders the main configuration. Dir and ExportDir were
+// checked with checkPath, so they cannot break out of their quotes.
+func (cfg ServerConfig) ganeshaConf() []byte {
+	var b bytes.Buffer
+	b.WriteString("# Written by modeguard on every start; do not edit.\n")
+	b.WriteString("NFS_CORE_PARAM {\n")
+	b.WriteString("\tProtocols = 4;\n")
+	b.WriteString("\tNFS_Port = " + strconv.Itoa(cfg.Port) + ";\n")
+	if cfg.ListenAddress != "" {
+		b.WriteString("\tBind_addr = " + cfg.ListenAddress + ";\n")
+	}
+	b.WriteString("\tEnable_NLM = false;\n")
+	b.WriteString("\tEnable_RQUOTA = false;\n")
+	b.WriteString("\tMount_Path_Pseudo = true;\n")
+	b.WriteString("}\n")
+	b.WriteString("NFSV4 {\n")
+	b.WriteString("\tGraceless = true;\n")
+	b.WriteString("\tRecoveryBackend = fs;\n")
+	b.WriteString("\tRecoveryRoot = \"" + filepath.Join(cfg.Dir, RecoveryDirName) + "\";\n")
+	b.WriteString("\tOnly_Numeric_Owners = true;\n")
+	b.WriteString("}\n")
+	b.WriteString("NFS_KRB5 {\n\tActive_krb5 = false;\n}\n")
+	b.WriteString("%dir \"" + cfg.ExportDir + "\"\n")
+	return b.Bytes()
+}
+
+// busConf is a system-type bus that only root may join, on which only root
+// may own org.ganesha.nfsd and call it.
+func (cfg ServerConfig) busConf() []byte {
+	return []byte(`<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<!-- Written by modeguard on every start; do not edit. -->
+<busconfig>
+  <type>system</type>
+  <listen>unix:path=` + filepath.Join(cfg.Dir, BusSocketName) + `</listen>
+  <auth>EXTERNAL</auth>
+  <policy context="default">
+    <allow user="root"/>
+    <deny own="*"/>
+    <deny send_type="method_call"/>
+    <allow send_type="signal"/>
+    <allow send_requested_reply="true" send_type="method_return"/>
+    <allow send_requested_reply="true" send_type="error"/>
+    <allow receive_type="method_call"/>
+    <allow receive_type="method_return"/>
+    <allow receive_type="error"/>
+    <allow receive_type="signal"/>
+    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
+    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Introspectable"/>
+  </policy>
+  <policy user="root">
+    <allow own="` + BusName + `"/>
+    <allow send_destination="` + BusName + `"/>
+  </policy>
+</busconfig>
+`)
+}
+
+func (s *Server) path(name string) string { return filepath.Join(s.cfg.Dir, name) }
+
+// DBusAddress is the address of the private bus.
+func (s *Server) DBusAddress() string { return "unix:path=" + s.path(BusSocketName) }
+
+// Control is a Control on the private bus; it stays usable across restarts
+// of ganesha and of the bus until Stop.
+func (s *Server) Control() *Control { return s.control }
+
+// Restarts counts how often the supervisor started ganesha again.
+func (s *Server) Restarts() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.restarts
+}
+
+// GaneshaPID is the PID of the current ganesha process (0 when none).
+func (s *Server) GaneshaPID() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ganesha == nil {
+		return 0
+	}
+	return s.ganesha.pid
+}
+
+// BusPID is the PID of the current dbus-daemon (0 when none).
+func (s *Server) BusPID() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.bus == nil {
+		return 0
+	}
+	return s.bus.pid
+}
+
+// Config is the configuration in effect, defaults filled in.
+func (s *Server) Config() ServerConfig { return s.cfg }
+
+// KillGanesha sends SIGKILL to ganesha only, for tests of crash recovery.
+func (s *Server) KillGanesha() error {
+	s.mu.Lock()
+	g := s.ganesha
+	s.mu.Unlock()
+	if g == nil || g.exited() {
+		return errors.New("ganesha: not running")
+	}
+	return g.cmd.Process.Signal(syscall.SIGKILL)
+}
+
+// WaitReady waits until ganesha answers on D-Bus (after a start or a
+// restart) or ctx ends.
+func (s *Server) WaitReady(ctx context.Context) error {
+	for {
+		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		err := s.control.Ping(pctx)
+		cancel()
+		if err == nil {
+			return nil
+		}
+		if errors.Is(err, ErrClosed) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("ganesha: not ready: %w (last error: %v)", ctx.Err(), err)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// command builds the command for binary args, inside the network namespace
+// when one is configured, in a process group of its own.
+func (s *Server) command(binary string, args ...string) *exec.Cmd {
+	var cmd *exec.Cmd
+	if s.cfg.NetNSPath != "" {
+		full := append([]string{"--net=" + s.cfg.NetNSPath, "--", binary}, args...)
+		cmd = exec.Command(s.cfg.NsenterBinary, full...)
+	} else {
+		cmd = exec.Command(binary, args...)
+	}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.Dir = s.cfg.Dir
+	return cmd
+}
+
+// spawn starts cmd with stdout and stderr appended to outName.
+func (s *Server) spawn(cmd *exec.Cmd, outName string) (*proc, error) {
+	out, err := os.OpenFile(s.path(outName), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("ganesha: %w", err)
+	}
+	defer out.Close() // the child has its own copy
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("ganesha: starting %s: %w", cmd.Path, err)
+	}
+	p := &proc{cmd: cmd, pid: cmd.Process.Pid, started: time.Now(), done: make(chan struct{})}
+	go func() {
+		p.err = cmd.Wait()
+		close(p.done)
+	}()
+	return p, nil
+}
+
+// startBus starts dbus-daemon and waits until its socket accepts a client.
+func (s *Server) startBus(ctx context.Context) (*proc, error) {
+	sock := s.path(BusSocketName)
+	if err := os.Remove(sock); err != nil && !os.IsNotExist(err) {
+		return nil, fmt.Errorf("ganesha: %w", err)
+	}
+	cmd := s.command(s.cfg.DBusBinary, "--config-file="+s.path(BusConfName), "--nofork", "--nopidfile", "--nosyslog")
+	p, err := s.spawn(cmd, BusOutName)
+	if err != nil {
+		return nil, err
+	}
+	_ = os.WriteFile(s.path(BusPIDName), []byte(strconv.Itoa(p.pid)+"\n"), 0o600)
+	deadline := time.NewTimer(s.cfg.ReadyTimeout)
+	defer deadline.Stop()
+	var lastErr error
+	for {
+		if _, err := os.Stat(sock); err == nil {
+			conn, err := dial(s.DBusAddress())
+			if err == nil {
+				conn.Close()
+				return p, nil
+			}
+			lastErr = err
+		}
+		select {
+		case <-p.done:
+			return nil, fmt.Errorf("ganesha: dbus-daemon exited (%v) before it was ready:\n%s", p.err, tail(s.path(BusOutName), 20))
+		case <-ctx.Done():
+			s.terminate(p)
+			return nil, fmt.Errorf("ganesha: waiting for dbus-daemon: %w", ctx.Err())
+		case <-deadline.C:
+			s.terminate(p)
+			return nil, fmt.Errorf("ganesha: dbus-daemon not ready after %v (%v):\n%s", s.cfg.ReadyTimeout, lastErr, tail(s.path(BusOutName), 20))
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// startGanesha removes temporary export files, starts ganesha and waits
+// until it answers on D-Bus. It also gives up when s is stopped.
+func (s *Server) startGanesha(ctx context.Context) (*proc, error) {
+	s.removeTempExportFiles()
+	cmd := s.command(s.cfg.GaneshaBinary,
+		"-F",
+		"-f", s.path(GaneshaConfName),
+		"-L", s.path(GaneshaLogName),
+		"-p", s.path(GaneshaPIDName),
+		"-N", s.cfg.LogLevel,
+	)
+	cmd.Env = append(os.Environ(), "DBUS_SYSTEM_BUS_ADDRESS="+s.DBusAddress())
+	p, err := s.spawn(cmd, GaneshaOutName)
+	if err != nil {
+		return nil, err
+	}
+	deadline := time.NewTimer(s.cfg.ReadyTimeout)
+	defer deadline.Stop()
+	var lastErr error
+	for {
+		pctx, cancel := context.WithTimeout(ctx, time.Second)
+		lastErr = s.control.Ping(pctx)
+		cancel()
+		if lastErr == nil && !p.exited() {
+			return p, nil
+		}
+		select {
+		case <-p.done:
+			return nil, fmt.Errorf("ganesha: ganesha.nfsd exited (%v) before it was ready; log:\n%s", p.err, s.ganeshaTail())
+		case <-ctx.Done():
+			s.terminate(p)
+			return nil, fmt.Errorf("ganesha: waiting for ganesha.nfsd: %w", ctx.Err())
+		case <-s.stopCh:
+			s.terminate(p)
+			return nil, errors.New("ganesha: stopped while starting")
+		case <-deadline.C:
+			s.terminate(p)
+			return nil, fmt.Errorf("ganesha: ganesha.nfsd not ready after %v (%v); log:\n%s", s.cfg.ReadyTimeout, lastErr, s.ganeshaTail())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func (s *Server) ganeshaTail() string {
+	return tail(s.path(GaneshaLogName), 30) + tail(s.path(GaneshaOutName), 10)
+}
+
+// removeTempExportFiles deletes what an interrupted WriteExportFile left
+// in the export directory: ganesha's %dir would read it.
+func (s *Server) removeTempExportFiles() {
+	entries, err := os.ReadDir(s.cfg.ExportDir)
+	if err != nil {
+		s.logf("ganesha: reading export directory: %v", err)
+		return
+	}
+	for _, e := range entries {
+		n := e.Name()
+		if strings.HasPrefix(n, ".") && strings.Contains(n, ".tmp-") && e.Type().IsRegular() {
+			if err := os.Remove(filepath.Join(s.cfg.ExportDir, n)); err == nil {
+				s.logf("ganesha: removed leftover temporary export file %s", n)
+			}
+		}
+	}
+}
+
+// supervise restarts ganesha (and the bus) when they exit while s runs.
+func (s *Server) supervise() {
+	defer close(s.supDone)
+	backoff := minBackoff
+	for {
+		s.mu.Lock()
+		g, bus := s.ganesha, s.bus
+		s.mu.Unlock()
+		if g == nil || bus == nil {
+			// Gone, or a restart failed: try again after the backoff.
+			select {
+			case <-s.stopCh:
+				return
+			case <-time.After(backoff):
+			}
+			backoff = min(2*backoff, maxBackoff)
+			if err := s.restart(); err != nil {
+				s.logf("ganesha: restart failed: %v", err)
+			}
+			continue
+		}
+		select {
+		case <-s.stopCh:
+			return
+		case <-bus.done:
+			s.logf("ganesha: dbus-daemon (pid %d) exited unexpectedly (%v); restarting it and ganesha", bus.pid, bus.err)
+			// ganesha lost its bus; it must start again to register its name.
+			s.terminate(g)
+			s.mu.Lock()
+			s.bus, s.ganesha = nil, nil
+			s.mu.Unlock()
+		case <-g.done:
+			s.logf("ganesha: ganesha.nfsd (pid %d) exited unexpectedly (%v); log:\n%s", g.pid, g.err, s.ganeshaTail())
+			if time.Since(g.started) > stableAfter {
+				backoff = minBackoff
+			}
+			s.mu.Lock()
+			s.ganesha = nil
+			s.mu.Unlock()
+		}
+	}
+}
+
+// restart brings up the bus when it is gone and then ganesha.
+func (s *Server) restart() error {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		select {
+		case <-s.stopCh:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	s.mu.Lock()
+	bus := s.bus
+	s.mu.Unlock()
+	if bus == nil || bus.exited() {
+		b, err := s.startBus(ctx)
+		if err != nil {
+			return err
+		}
+		s.mu.Lock()
+		s.bus = b
+		s.mu.Unlock()
+	}
+	g, err := s.startGanesha(ctx) // on error, nothing is left running
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.restarts++
+	if err != nil {
+		return err
+	}
+	s.ganesha = g
+	s.logf("ganesha: ganesha.nfsd restarted (pid %d, restart %d)", g.pid, s.restarts)
+	return nil
+}
+
+// Stop stops ganesha, then the bus: SIGTERM by PID, SIGKILL after
+// StopTimeout, and waits for both. It is idempotent.
+func (s *Server) Stop() error {
+	s.stopOnce.Do(func() {
+		close(s.stopCh)
+		<-s.supDone
+		s.mu.Lock()
+		g, bus := s.ganesha, s.bus
+		s.mu.Unlock()
+		var errs []error
+		if err := s.terminate(g); err != nil {
+			errs = append(errs, err)
+		}
+		s.control.Close()
+		if err := s.terminate(bus); err != nil {
+			errs = append(errs, err)
+		}
+		s.stopErr = errors.Join(errs...)
+	})
+	return s.stopErr
+}
+
+// terminate sends SIGTERM to p, SIGKILL after StopTimeout, and waits for it.
+func (s *Server) terminate(p *proc) error {
+	if p == nil || p.exited() {
+		return nil
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	t := time.NewTimer(s.cfg.StopTimeout)
+	defer t.Stop()
+	select {
+	case <-p.done:
+		return nil
+	case <-t.C:
+	}
+	name := filepath.Base(p.cmd.Path)
+	s.logf("ganesha: %s (pid %d) ignored SIGTERM for %v; sending SIGKILL", name, p.pid, s.cfg.StopTimeout)
+	_ = p.cmd.Process.Signal(syscall.SIGKILL)
+	<-p.done
+	return fmt.Errorf("ganesha: %s (pid %d) had to be killed", name, p.pid)
+}
+
+// stopStale stops processes an earlier Server on the same Dir left behind
+// (its caller died without Stop). A PID is only signalled when its command
+// line names this Dir's configuration file, so a recycled PID is left alone.
+func (s *Server) stopStale() {
+	for _, f := range []struct{ pidFile, conf string }{
+		{GaneshaPIDName, s.path(GaneshaConfName)},
+		{BusPIDName, s.path(BusConfName)},
+	} {
+		data, err := os.ReadFile(s.path(f.pidFile))
+		if err != nil {
+			continue
+		}
+		pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
+		if err != nil || pid <= 1 {
+			continue
+		}
+		cmdline, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
+		if err != nil || !bytes.Contains(cmdline, []byte(f.conf)) {
+			continue
+		}
+		s.logf("ganesha: stopping pid %d left behind by an earlier run", pid)
+		_ = syscall.Kill(pid, syscall.SIGTERM)
+		deadline := time.Now().Add(s.cfg.StopTimeout)
+		for alive(pid, f.conf) && time.Now().Before(deadline) {
+			time.Sleep(50 * time.Millisecond)
+		}
+		if alive(pid, f.conf) {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+			for i := 0; i < 100 && alive(pid, f.conf); i++ {
+				time.Sleep(50 * time.Millisecond)
+			}
+		}
+		os.Remove(s.path(f.pidFile))
+	}
+}
+
+// alive reports whether pid still runs with conf on its command line (a
+// zombie has an empty command line).
+func alive(pid int, conf string) bool {
+	cmdline, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
+	return err == nil && bytes.Contains(cmdline, []byte(conf))
+}
+
+// tail returns the last n lines of a file, or a note that it is unreadable.
+func tail(path string, n int) string {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return fmt.Sprintf("(%v)\n", err)
+	}
+	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n") + "\n"
+}

@@ -1,0 +1,205 @@
+package imagestore
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// --- tests that need nothing special ---
+
+var hostileRels = []string{"../x", "/abs", "a/../../b", "", ".", "..", "a/.", "a//b", "a/", "a b/c", "a/b\x00", "a/b/../c"}
+
+func TestCheckRel(t *testing.T) {
+	for _, rel := range append(hostileRels,
+		"volumes",          // one element
+		"volumes/a/b",      // three
+		"vol_umes/a",       // underscore in the group: ambiguous image name
+		"images/a",         // the images directory
+		"volumes/a b",      // space
+		"volumes/ä",        // not ASCII
+		"volumes/a*",       // glob
+		"volumes/a\nb.img", // newline
+	) {
+		if err := checkRel(rel); err == nil {
+			t.Errorf("checkRel(%q) accepted it", rel)
+		}
+	}
+	for _, rel := range []string{"volumes/nfs__vol-0123abcd", "snapshots/nfs__snap-ff", "v/_a_", "v/a.img", "v/.x", "v.x/y", "v:1/__", "v-2/a__b__c"} {
+		if err := checkRel(rel); err != nil {
+			t.Errorf("checkRel(%q): %v", rel, err)
+		}
+	}
+}
+
+func TestImageNames(t *testing.T) {
+	if got := imageName("volumes/nfs__vol-1"); got != "volumes__nfs__vol-1.img" {
+		t.Errorf("imageName = %q", got)
+	}
+	if got := imageName("snapshots/nfs__snap-2"); got != "snapshots__nfs__snap-2.img" {
+		t.Errorf("imageName = %q", got)
+	}
+	// Every valid rel comes back from its image name, and distinct rels
+	// have distinct names.
+	rels := []string{"volumes/nfs__vol-1", "v/_a_", "v/a.img", "v/.x", "v.x/y", "v:1/__", "v-2/a__b__c", "v/__b", "v/b__", "v/a_", "v-2/a"}
+	seen := map[string]string{}
+	for _, rel := range rels {
+		name := imageName(rel)
+		if other, dup := seen[name]; dup {
+			t.Errorf("%q and %q share the image name %q", rel, other, name)
+		}
+		seen[name] = rel
+		back, ok := relOfImage(name)
+		if !ok || back != rel {
+			t.Errorf("relOfImage(%q) = %q, %v; want %q", name, back, ok, rel)
+		}
+		if isTempName(name) {
+			t.Errorf("image name %q taken for a temporary file", name)
+		}
+		tmp := strings.Replace(tempPattern(rel), "*", "123456", 1)
+		if !isTempName(tmp) {
+			t.Errorf("temporary name %q not recognized", tmp)
+		}
+		if _, ok := relOfImage(tmp); ok {
+			t.Errorf("temporary name %q taken for an image", tmp)
+		}
+	}
+	// Names no rel has: Prune must leave them alone.
+	for _, name := range []string{"volumes.img", "vol_umes__a.img", "images__a.img", "volumes__a", "volumes__.img", "__a.img", "volumes__a b.img", "notes.txt", ".volumes__a.img.tmp-"} {
+		if rel, ok := relOfImage(name); ok {
+			t.Errorf("relOfImage(%q) = %q", name, rel)
+		}
+	}
+	for _, name := range []string{"notes.txt", "volumes__a.img", "a.tmp-1", ".a.img"} {
+		if isTempName(name) {
+			t.Errorf("isTempName(%q)", name)
+		}
+	}
+}
+
+// Every method that takes a rel refuses a bad one before touching
+// anything, so this needs no real store.
+func TestMethodsRefuseBadRels(t *testing.T) {
+	root := t.TempDir()
+	s := &Store{root: root, images: filepath.Join(root, imagesDirName)}
+	if err := os.Mkdir(s.images, imagesDirMode); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for _, rel := range append(hostileRels, "volumes", "a/b/c", "images/x", "a_b/c") {
+		if err := s.Create(ctx, rel, MinSize); err == nil {
+			t.Errorf("Create(%q) accepted it", rel)
+		}
+		if err := s.Grow(ctx, rel, MinSize); err == nil {
+			t.Errorf("Grow(%q) accepted it", rel)
+		}
+		if err := s.Copy(ctx, rel, "volumes/ok", MinSize); err == nil {
+			t.Errorf("Copy(src %q) accepted it", rel)
+		}
+		if err := s.Copy(ctx, "volumes/ok", rel, MinSize); err == nil {
+			t.Errorf("Copy(dst %q) accepted it", rel)
+		}
+		if err := s.Remove(ctx, rel); err == nil {
+			t.Errorf("Remove(%q) accepted it", rel)
+		}
+		if err := s.Restore(ctx, rel); err == nil {
+			t.Errorf("Restore(%q) accepted it", rel)
+		}
+		if _, _, err := s.Usage(ctx, rel); err == nil {
+			t.Errorf("Usage(%q) accepted it", rel)
+		}
+	}
+	for _, limit := range []int64{-1, 0, 1 << 20, MinSize - 1} {
+		err := s.Create(ctx, "volumes/small", limit)
+		if err == nil || !strings.Contains(err.Error(), "minimum") {
+			t.Errorf("Create with %d bytes: %v", limit, err)
+		}
+	}
+	if err := s.Copy(ctx, "volumes/a", "volumes/a", MinSize); err == nil {
+		t.Error("Copy onto itself accepted")
+	}
+	entries, err := os.ReadDir(root)
+	if err != nil || len(entries) != 1 {
+		t.Errorf("refused calls left something behind: %v %v", entries, err)
+	}
+	if entries, _ := os.ReadDir(s.images); len(entries) != 0 {
+		t.Errorf("refused calls left files in the images directory: %v", entries)
+	}
+}
+
+func TestFreezeIoctlNumbers(t *testing.T) {
+	// <linux/fs.h> on x86_64 and arm64.
+	if fiFreeze != 0xc0045877 || fiThaw != 0xc0045878 {
+		t.Errorf("FIFREEZE %#x, FITHAW %#x", fiFreeze, fiThaw)
+	}
+}
+
+func TestParseMountInfo(t *testing.T) {
+	in := "31 30 7:0 / /srv/a\\040b/volumes/x rw,nosuid,nodev,relatime shared:5 - xfs /dev/loop0 rw,nouuid,attr2\n" +
+		"40 31 7:1 / /srv/a\\040b/volumes/x rw - xfs /dev/loop1 rw\n" +
+		"32 30 0:5 / /mnt rw - tmpfs tmpfs rw\n"
+	ms, err := parseMountInfo([]byte(in))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ms) != 3 || ms[0].MountPoint != "/srv/a b/volumes/x" || ms[0].FsType != "xfs" || ms[0].Source != "/dev/loop0" || ms[0].ID != 31 || ms[0].ParentID != 30 {
+		t.Fatalf("parsed %+v", ms)
+	}
+	if strings.Join(ms[0].Options, ",") != "rw,nosuid,nodev,relatime" || strings.Join(ms[0].SuperOptions, ",") != "rw,nouuid,attr2" {
+		t.Errorf("options %v %v", ms[0].Options, ms[0].SuperOptions)
+	}
+	// Mount 40 sits on 31 at the same place: it is what is visible.
+	if top := topMountAt(ms, "/srv/a b/volumes/x"); top == nil || top.ID != 40 {
+		t.Errorf("topMountAt = %+v", top)
+	}
+	if top := topMountAt(ms, "/srv"); top != nil {
+		t.Errorf("topMountAt(/srv) = %+v", top)
+	}
+	if got := mountPointsOf(ms, "/dev/loop1"); len(got) != 1 || got[0] != "/srv/a b/volumes/x" {
+		t.Errorf("mountPointsOf = %v", got)
+	}
+	if _, err := parseMountInfo([]byte("garbage\n")); err == nil {
+		t.Error("parsed garbage")
+	}
+}
+
+func TestRelLocks(t *testing.T) {
+	var l relLocks
+	ctx := context.Background()
+	unlock, err := l.lock(ctx, "b", "a", "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Held: a second taker gives up when its context ends.
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	for range 20 {
+		if _, err := l.lock(cctx, "a"); err == nil {
+			t.Fatal("took a held lock")
+		}
+	}
+	// Others are free.
+	u2, err := l.lock(ctx, "c")
+	if err != nil {
+		t.Fatal(err)
+	}
+	u2()
+	done := make(chan struct{})
+	go func() {
+		u, err := l.lock(ctx, "a", "c")
+		if err == nil {
+			u()
+		}
+		close(done)
+	}()
+	unlock()
+	<-done
+	l.mu.Lock()
+	n := len(l.locks)
+	l.mu.Unlock()
+	if n != 0 {
+		t.Errorf("%d lock entries left", n)
+	}
+}

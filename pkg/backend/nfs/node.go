@@ -1,0 +1,209 @@
+package nfs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/mount-utils"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend"
+)
+
+// DefaultMountOptions are used unless the volume capability's mount flags
+// set the same option: NFSv4.2 over TCP, hard mounts (a server restart stalls
+// I/O rather than failing it), the kernel's usual timeouts.
+var DefaultMountOptions = []string{"vers=4.2", "proto=tcp", "hard", "timeo=600", "retrans=2"}
+
+// healthTimeout bounds how long a health check waits for a server that does
+// not answer: a hung statfs means the mount is unusable.
+const healthTimeout = 5 * time.Second
+
+var sharePattern = regexp.MustCompile(`^/[A-Za-z0-9_.:-]+$`)
+
+// Node implements backend.Node for NFS: one kernel NFS mount per volume
+// per node at the staging path; workloads get bind mounts of it.
+type Node struct {
+	mounter mount.Interface
+}
+
+var _ backend.Node = (*Node)(nil)
+
+// NewNode returns the NFS node backend. mounter is the kernel's
+// (mount.New("")) in production; tests that cannot mount NFS inject another.
+func NewNode(mounter mount.Interface) *Node {
+	if mounter == nil {
+		mounter = mount.New("")
+	}
+	return &Node{mounter: mounter}
+}
+
+func (n *Node) Backend() accessmode.Backend { return accessmode.BackendNFS }
+
+// source reads the server and export path from the volume context the
+// controller produced, refusing anything that is not plainly an address and
+// an export path.
+func source(volCtx map[string]string) (string, int, error) {
+	server, share := volCtx[ContextServer], volCtx[ContextShare]
+	addr, err := netip.ParseAddr(server)
+	if err != nil || addr.Zone() != "" {
+		return "", 0, status.Errorf(codes.InvalidArgument,
+			"volume context %s=%q is not an IP address; the volume context must come from this driver's CreateVolume", ContextServer, server)
+	}
+	if !sharePattern.MatchString(share) {
+		return "", 0, status.Errorf(codes.InvalidArgument, "volume context %s=%q is not an export path", ContextShare, share)
+	}
+	port := 2049
+	if p, ok := volCtx[ContextPort]; ok {
+		if port, err = strconv.Atoi(p); err != nil || port < 1 || port > 65535 {
+			return "", 0, status.Errorf(codes.InvalidArgument, "volume context %s=%q is not a port", ContextPort, p)
+		}
+	}
+	host := server
+	if addr.Is6() {
+		host = "[" + server + "]"
+	}
+	return host + ":" + share, port, nil
+}
+
+// mountOptions puts the CO's flags first and adds each default whose option
+// the CO did not set; read-only stages get "ro" whatever the flags say.
+func mountOptions(flags []string, port int, readOnly bool) []string {
+	opts := []string{}
+	set := map[string]bool{}
+	for _, f := range flags {
+		for _, o := range strings.Split(f, ",") {
+			if o == "" || o == "rw" {
+				continue
+			}
+			opts = append(opts, o)
+			key, _, _ := strings.Cut(o, "=")
+			set[key] = true
+			if key == "nfsvers" {
+				set["vers"] = true
+			}
+		}
+	}
+	for _, d := range DefaultMountOptions {
+		key, _, _ := strings.Cut(d, "=")
+		if !set[key] {
+			opts = append(opts, d)
+		}
+	}
+	if port != 2049 && !set["port"] {
+		opts = append(opts, "port="+strconv.Itoa(port))
+	}
+	if readOnly && !slices.Contains(opts, "ro") {
+		opts = append(opts, "ro")
+	}
+	return opts
+}
+
+func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.Staged, error) {
+	if req.AccessType != accessmode.Mount {
+		return nil, status.Error(codes.InvalidArgument, "backend nfs serves filesystems only; access type block is not possible")
+	}
+	src, port, err := source(req.VolumeContext)
+	if err != nil {
+		return nil, err
+	}
+	staged := &backend.Staged{
+		VolumeID: req.VolumeID.String(), StagingPath: req.StagingPath, AccessType: accessmode.Mount,
+		ReadOnly: req.ReadOnly,
+	}
+	if err := os.MkdirAll(req.StagingPath, 0o750); err != nil {
+		return nil, status.Errorf(codes.Internal, "creating the staging path: %v", err)
+	}
+	if mounted, err := n.mounter.IsMountPoint(req.StagingPath); err == nil && mounted {
+		// A retry after a crash between mount and record: the mount is ours
+		// only if it is this export.
+		if dev, _, err := mount.GetDeviceNameFromMount(n.mounter, req.StagingPath); err == nil && dev == src {
+			return staged, nil
+		}
+		return nil, status.Errorf(codes.AlreadyExists, "staging path %s already holds another mount", req.StagingPath)
+	}
+	opts := mountOptions(req.MountFlags, port, req.ReadOnly)
+	if err := n.mounter.Mount(src, req.StagingPath, "nfs4", opts); err != nil {
+		return nil, status.Errorf(codes.Internal, "mounting %s at %s: %v", src, req.StagingPath, err)
+	}
+	return staged, nil
+}
+
+func (n *Node) Unstage(ctx context.Context, staged *backend.Staged) error {
+	mounted, err := n.mounter.IsMountPoint(staged.StagingPath)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		// A stale NFS mount fails stat with ESTALE: it is still mounted.
+		mounted = true
+	}
+	if mounted {
+		if err := n.mounter.Unmount(staged.StagingPath); err != nil {
+			return status.Errorf(codes.Internal, "unmounting %s: %v", staged.StagingPath, err)
+		}
+	}
+	return nil
+}
+
+// Expand has nothing to do and nothing exact to report: the server's new
+// limit is what clients see at once, and statfs on the client shows the
+// filesystem's size less its own overhead, never the volume's capacity. It
+// returns 0 ("not known here"), which NodeExpandVolume leaves out of its answer.
+func (n *Node) Expand(ctx context.Context, staged *backend.Staged) (int64, error) {
+	if _, err := statfsWithin(staged.StagingPath, healthTimeout); err != nil {
+		return 0, status.Errorf(codes.FailedPrecondition, "the NFS mount at %s does not answer: %v", staged.StagingPath, err)
+	}
+	return 0, nil
+}
+
+func (n *Node) Health(ctx context.Context, staged *backend.Staged) backend.Health {
+	mounted, err := n.mounter.IsMountPoint(staged.StagingPath)
+	if err == nil && !mounted {
+		return backend.Health{Abnormal: true, Reason: "NotMounted",
+			Message: fmt.Sprintf("the NFS export is no longer mounted at %s", staged.StagingPath)}
+	}
+	if _, err := statfsWithin(staged.StagingPath, healthTimeout); err != nil {
+		reason := "Unreachable"
+		if errors.Is(err, unix.ESTALE) {
+			reason = "StaleMount"
+		}
+		return backend.Health{Abnormal: true, Reason: reason,
+			Message: fmt.Sprintf("the NFS mount at %s does not answer: %v", staged.StagingPath, err)}
+	}
+	return backend.Health{}
+}
+
+var errTimeout = errors.New("no answer from the NFS server")
+
+// statfsWithin runs statfs but gives up after d: a hard NFS mount whose
+// server is gone blocks forever, and a health check must not.
+func statfsWithin(path string, d time.Duration) (*unix.Statfs_t, error) {
+	type result struct {
+		st  unix.Statfs_t
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		var r result
+		r.err = unix.Statfs(path, &r.st)
+		ch <- r
+	}()
+	select {
+	case r := <-ch:
+		return &r.st, r.err
+	case <-time.After(d):
+		return nil, errTimeout
+	}
+}

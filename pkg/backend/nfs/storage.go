@@ -1,0 +1,143 @@
+package nfs
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+
+	"github.com/modeguard/modeguard/pkg/backend/nfs/imagestore"
+	"github.com/modeguard/modeguard/pkg/backend/nfs/projquota"
+)
+
+// Storage keeps each volume and snapshot as a directory under Root() with a
+// hard size limit. rel names the object ("volumes/<file name>"); project is
+// the object's quota project id, which only quota-based storage uses.
+//
+// Two implementations exist: xfs project quotas on one shared filesystem
+// (package projquota; preferred: limits change instantly, copies are
+// reflinks, nothing to re-attach at start) and one xfs image per object,
+// loop-mounted (package imagestore; works on kernels without xfs quota
+// support, at the cost of a 300 MiB minimum size and a loop device per
+// object).
+type Storage interface {
+	Root() string
+	// MinSize is the smallest object the storage can make.
+	MinSize() int64
+	Create(ctx context.Context, rel string, project uint32, limit int64) error
+	Grow(ctx context.Context, rel string, project uint32, limit int64) error
+	Copy(ctx context.Context, srcRel, dstRel string, project uint32, limit int64) error
+	Remove(ctx context.Context, rel string, project uint32) error
+	Usage(ctx context.Context, rel string, project uint32) (used, limit int64, err error)
+	// Free and Size are the backing filesystem's available and total bytes.
+	Free() (int64, error)
+	Size() (int64, error)
+	// Restore makes a recorded object usable after a restart.
+	Restore(ctx context.Context, rel string, project uint32) error
+	// Prune removes every object whose rel is not in keep.
+	Prune(ctx context.Context, keep map[string]bool) ([]string, error)
+	// Release lets go of what the storage holds (mounts, loop devices).
+	Release() error
+}
+
+// quotaStorage adapts a project-quota pool.
+type quotaStorage struct {
+	pool    *projquota.Pool
+	release func() error
+}
+
+// NewQuotaStorage wraps a prepared pool; release is what Prepare returned.
+func NewQuotaStorage(pool *projquota.Pool, release func() error) Storage {
+	return &quotaStorage{pool: pool, release: release}
+}
+
+func (q *quotaStorage) Root() string   { return q.pool.Root() }
+func (q *quotaStorage) MinSize() int64 { return q.pool.BlockSize() }
+func (q *quotaStorage) Create(ctx context.Context, rel string, project uint32, limit int64) error {
+	return q.pool.CreateDir(ctx, rel, project, limit)
+}
+func (q *quotaStorage) Grow(ctx context.Context, rel string, project uint32, limit int64) error {
+	return q.pool.SetLimit(ctx, project, limit)
+}
+func (q *quotaStorage) Copy(ctx context.Context, srcRel, dstRel string, project uint32, limit int64) error {
+	return q.pool.CopyTree(ctx, srcRel, dstRel, project, limit)
+}
+func (q *quotaStorage) Remove(ctx context.Context, rel string, project uint32) error {
+	return q.pool.RemoveDir(ctx, rel, project)
+}
+func (q *quotaStorage) Usage(ctx context.Context, rel string, project uint32) (int64, int64, error) {
+	return q.pool.Usage(ctx, project)
+}
+func (q *quotaStorage) Free() (int64, error) { return q.pool.Free() }
+func (q *quotaStorage) Size() (int64, error) { return q.pool.Size() }
+
+// Restore has nothing to do: the pool is one filesystem, mounted by Prepare.
+func (q *quotaStorage) Restore(ctx context.Context, rel string, project uint32) error {
+	if _, err := os.Stat(filepath.Join(q.pool.Root(), rel)); err != nil {
+		return err
+	}
+	return nil
+}
+
+func (q *quotaStorage) Prune(ctx context.Context, keep map[string]bool) ([]string, error) {
+	var removed []string
+	for _, sub := range []string{"volumes", "snapshots"} {
+		entries, err := os.ReadDir(filepath.Join(q.pool.Root(), sub))
+		if os.IsNotExist(err) {
+			continue
+		}
+		if err != nil {
+			return removed, err
+		}
+		for _, e := range entries {
+			rel := filepath.Join(sub, e.Name())
+			if keep[rel] {
+				continue
+			}
+			if err := os.RemoveAll(filepath.Join(q.pool.Root(), rel)); err != nil {
+				return removed, err
+			}
+			removed = append(removed, rel)
+		}
+	}
+	return removed, nil
+}
+
+func (q *quotaStorage) Release() error {
+	if q.release == nil {
+		return nil
+	}
+	return q.release()
+}
+
+// imageStorage adapts an image store; project ids mean nothing to it.
+type imageStorage struct{ store *imagestore.Store }
+
+// NewImageStorage wraps an opened image store.
+func NewImageStorage(store *imagestore.Store) Storage { return &imageStorage{store: store} }
+
+func (i *imageStorage) Root() string   { return i.store.Root() }
+func (i *imageStorage) MinSize() int64 { return i.store.MinSize() }
+func (i *imageStorage) Create(ctx context.Context, rel string, _ uint32, limit int64) error {
+	return i.store.Create(ctx, rel, limit)
+}
+func (i *imageStorage) Grow(ctx context.Context, rel string, _ uint32, limit int64) error {
+	return i.store.Grow(ctx, rel, limit)
+}
+func (i *imageStorage) Copy(ctx context.Context, srcRel, dstRel string, _ uint32, limit int64) error {
+	return i.store.Copy(ctx, srcRel, dstRel, limit)
+}
+func (i *imageStorage) Remove(ctx context.Context, rel string, _ uint32) error {
+	return i.store.Remove(ctx, rel)
+}
+func (i *imageStorage) Usage(ctx context.Context, rel string, _ uint32) (int64, int64, error) {
+	return i.store.Usage(ctx, rel)
+}
+func (i *imageStorage) Free() (int64, error) { return i.store.Free() }
+func (i *imageStorage) Size() (int64, error) { return i.store.Size() }
+func (i *imageStorage) Restore(ctx context.Context, rel string, _ uint32) error {
+	return i.store.Restore(ctx, rel)
+}
+func (i *imageStorage) Prune(ctx context.Context, keep map[string]bool) ([]string, error) {
+	return i.store.Prune(ctx, keep)
+}
+func (i *imageStorage) Release() error { return i.store.Release() }

@@ -1,0 +1,389 @@
+package integration
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend/nfs"
+	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha/ganeshatest"
+	"github.com/modeguard/modeguard/pkg/localcluster"
+	"github.com/modeguard/modeguard/pkg/nodeid"
+	"github.com/modeguard/modeguard/test/testenv"
+)
+
+// nfsController is the modeguard controller process, run inside the server
+// namespace so that the ganesha it starts serves the node namespaces.
+type nfsController struct {
+	t        *testing.T
+	bin      string
+	args     []string
+	log      string
+	netns    string
+	cmd      *exec.Cmd
+	done     chan struct{}
+	conn     *grpc.ClientConn
+	csi      csi.ControllerClient
+	endpoint string
+}
+
+func (c *nfsController) start(ctx context.Context) {
+	c.t.Helper()
+	logFile, err := os.OpenFile(c.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	c.cmd = exec.Command("nsenter", append([]string{"--net=" + c.netns, "--", c.bin}, c.args...)...)
+	c.cmd.Stdout, c.cmd.Stderr = logFile, logFile
+	c.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := c.cmd.Start(); err != nil {
+		c.t.Fatal(err)
+	}
+	c.done = make(chan struct{})
+	go func() { c.cmd.Wait(); logFile.Close(); close(c.done) }()
+	if c.conn == nil {
+		conn, err := grpc.NewClient(c.endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			c.t.Fatal(err)
+		}
+		c.conn, c.csi = conn, csi.NewControllerClient(conn)
+	}
+	id := csi.NewIdentityClient(c.conn)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		pctx, cancel := context.WithTimeout(ctx, time.Second)
+		resp, err := id.Probe(pctx, &csi.ProbeRequest{})
+		cancel()
+		if err == nil && resp.GetReady().GetValue() {
+			return
+		}
+		select {
+		case <-c.done:
+			c.t.Fatalf("controller exited during start-up:\n%s", readFile(c.log))
+		case <-time.After(100 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			c.t.Fatalf("controller not ready:\n%s", readFile(c.log))
+		}
+	}
+}
+
+// kill stops the controller with SIGKILL, as a crash would: its ganesha
+// and bus are orphaned, and the next start must take over from them.
+func (c *nfsController) kill() {
+	_ = c.cmd.Process.Signal(syscall.SIGKILL)
+	<-c.done
+}
+
+func (c *nfsController) stop() {
+	select {
+	case <-c.done:
+		return
+	default:
+	}
+	_ = c.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-c.done:
+	case <-time.After(20 * time.Second):
+		c.t.Errorf("controller did not stop on SIGTERM; killing it")
+		c.kill()
+	}
+}
+
+func readFile(p string) string {
+	data, _ := os.ReadFile(p)
+	return string(data)
+}
+
+func nfsCapability(mode accessmode.Mode) *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode},
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
+	}
+}
+
+// TestNFSExportsFollowPublishes checks, with the real ganesha and real NFS
+// clients in node namespaces, that an export is open to exactly the nodes
+// its volume is published to, as the access mode says.
+func TestNFSExportsFollowPublishes(t *testing.T) {
+	testenv.RequireRoot(t)
+	ganeshatest.RequireCommands(t, "ganesha.nfsd", "dbus-daemon", "nfs-cp", "nfs-cat", "nsenter", "mkfs.xfs", "xfs_quota")
+	net := ganeshatest.Setup(t, ganeshatest.Options{Nodes: 2, Prefix: "mgi"})
+	bin := buildBinary(t)
+	work := t.TempDir()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+
+	ctrl := &nfsController{
+		t: t, bin: bin, netns: net.Server.Path, log: filepath.Join(work, "controller.log"),
+		endpoint: "unix://" + filepath.Join(work, "csi.sock"),
+	}
+	ctrl.args = []string{"--roles", "controller", "--endpoint", ctrl.endpoint, "-v", "2",
+		"--nfs-export-root", filepath.Join(work, "nfs"), "--nfs-pool-size", "1Gi",
+		"--nfs-server", net.Server.Addr.String(), "--nfs-ganesha-dir", filepath.Join(work, "ganesha")}
+	ctrl.start(ctx)
+	t.Cleanup(func() {
+		ctrl.stop()
+		if ctrl.conn != nil {
+			ctrl.conn.Close()
+		}
+		for _, m := range localcluster.MountsUnder(work) {
+			t.Errorf("leftover mount %s after the controller stopped", m)
+		}
+		testenv.CleanupUnder(t, work)
+		if t.Failed() {
+			t.Logf("controller log:\n%s", readFile(ctrl.log))
+		}
+	})
+
+	n1, n2 := net.Nodes[0], net.Nodes[1]
+	nodeID := func(i int) string {
+		n := net.Nodes[i]
+		return nodeid.Node{Name: fmt.Sprintf("node-%d", i+1), Zone: "zone-a", Address: n.Addr.String()}.String()
+	}
+	payload := filepath.Join(work, "payload")
+	if err := os.WriteFile(payload, []byte("written over NFS"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	create := func(t *testing.T, name string, mode accessmode.Mode, bytes int64, src *csi.VolumeContentSource) *csi.Volume {
+		t.Helper()
+		resp, err := ctrl.csi.CreateVolume(ctx, &csi.CreateVolumeRequest{
+			Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: bytes},
+			VolumeCapabilities: []*csi.VolumeCapability{nfsCapability(mode)},
+			Parameters:         map[string]string{"backend": "nfs"}, VolumeContentSource: src,
+		})
+		if err != nil {
+			t.Fatalf("CreateVolume %s: %v", name, err)
+		}
+		if len(resp.GetVolume().GetAccessibleTopology()) != 0 {
+			t.Errorf("an NFS volume must be reachable from every zone, got topology %v", resp.GetVolume().GetAccessibleTopology())
+		}
+		return resp.GetVolume()
+	}
+	publish := func(vol *csi.Volume, mode accessmode.Mode, node int, readOnly bool) error {
+		_, err := ctrl.csi.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
+			VolumeId: vol.GetVolumeId(), NodeId: nodeID(node), VolumeCapability: nfsCapability(mode), Readonly: readOnly,
+		})
+		return err
+	}
+	unpublish := func(t *testing.T, vol *csi.Volume, node int) {
+		t.Helper()
+		if _, err := ctrl.csi.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{
+			VolumeId: vol.GetVolumeId(), NodeId: nodeID(node)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deleteVol := func(t *testing.T, vol *csi.Volume) {
+		t.Helper()
+		if _, err := ctrl.csi.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: vol.GetVolumeId()}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	share := func(vol *csi.Volume) string { return vol.GetVolumeContext()[nfs.ContextShare] }
+	canWrite := func(ns ganeshatest.Namespace, vol *csi.Volume, file string) error {
+		return ns.NFSCopy(ctx, payload, net.NFSURL(share(vol), file))
+	}
+	mustWrite := func(t *testing.T, ns ganeshatest.Namespace, vol *csi.Volume, file string) {
+		t.Helper()
+		if err := canWrite(ns, vol, file); err != nil {
+			t.Fatalf("%s could not write %s: %v", ns.Name, file, err)
+		}
+	}
+	mustNotWrite := func(t *testing.T, ns ganeshatest.Namespace, vol *csi.Volume, file string) {
+		t.Helper()
+		if err := canWrite(ns, vol, file); err == nil {
+			t.Fatalf("%s wrote %s, but the volume is not published read/write to it", ns.Name, file)
+		}
+	}
+	mustRead := func(t *testing.T, ns ganeshatest.Namespace, vol *csi.Volume, file string) {
+		t.Helper()
+		got, err := ns.NFSCat(ctx, net.NFSURL(share(vol), file))
+		if err != nil || !bytes.Equal(got, []byte("written over NFS")) {
+			t.Fatalf("%s reading %s: %q, %v", ns.Name, file, got, err)
+		}
+	}
+	mustNotRead := func(t *testing.T, ns ganeshatest.Namespace, vol *csi.Volume, file string) {
+		t.Helper()
+		if got, err := ns.NFSCat(ctx, net.NFSURL(share(vol), file)); err == nil {
+			t.Fatalf("%s read %s (%q), but the volume is not published to it", ns.Name, file, got)
+		}
+	}
+	wantCode := func(t *testing.T, what string, err error, code codes.Code) {
+		t.Helper()
+		if status.Code(err) != code {
+			t.Fatalf("%s: got %v, want %s", what, err, code)
+		}
+	}
+
+	t.Run("single node writer: one node, and unpublish takes access away at once", func(t *testing.T) {
+		vol := create(t, "rwo", accessmode.SingleNodeMultiWriter, 32<<20, nil)
+		mustNotWrite(t, n1, vol, "before-publish")
+		wantCode(t, "publish to node-1", publish(vol, accessmode.SingleNodeMultiWriter, 0, false), codes.OK)
+		mustWrite(t, n1, vol, "f")
+		mustNotRead(t, n2, vol, "f")
+		err := publish(vol, accessmode.SingleNodeMultiWriter, 1, false)
+		wantCode(t, "publish to a second node", err, codes.FailedPrecondition)
+		if !strings.Contains(status.Convert(err).Message(), nodeID(0)) {
+			t.Errorf("the refusal should name the node holding the volume: %v", err)
+		}
+		unpublish(t, vol, 0)
+		mustNotRead(t, n1, vol, "f")
+		wantCode(t, "publish to node-2 after unpublish", publish(vol, accessmode.SingleNodeMultiWriter, 1, false), codes.OK)
+		mustRead(t, n2, vol, "f")
+		unpublish(t, vol, 1)
+		deleteVol(t, vol)
+	})
+
+	t.Run("read only many: every node reads, none writes", func(t *testing.T) {
+		src := create(t, "rox-src", accessmode.SingleNodeMultiWriter, 32<<20, nil)
+		wantCode(t, "publish source", publish(src, accessmode.SingleNodeMultiWriter, 0, false), codes.OK)
+		mustWrite(t, n1, src, "data")
+		unpublish(t, src, 0)
+		snap, err := ctrl.csi.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "rox-snap", SourceVolumeId: src.GetVolumeId()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		vol := create(t, "rox", accessmode.MultiNodeReaderOnly, 32<<20, &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+			Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snap.GetSnapshot().GetSnapshotId()}}})
+		for i, ns := range net.Nodes {
+			wantCode(t, "publish ROX asking for read/write", publish(vol, accessmode.MultiNodeReaderOnly, i, false), codes.OK)
+			mustRead(t, ns, vol, "data")
+			mustNotWrite(t, ns, vol, "data")
+		}
+		unpublish(t, vol, 0)
+		unpublish(t, vol, 1)
+		deleteVol(t, vol)
+		if _, err := ctrl.csi.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: snap.GetSnapshot().GetSnapshotId()}); err != nil {
+			t.Fatal(err)
+		}
+		deleteVol(t, src)
+	})
+
+	t.Run("multi node single writer: exactly one writer", func(t *testing.T) {
+		vol := create(t, "mnsw", accessmode.MultiNodeSingleWriter, 32<<20, nil)
+		wantCode(t, "writer on node-1", publish(vol, accessmode.MultiNodeSingleWriter, 0, false), codes.OK)
+		wantCode(t, "second writer on node-2", publish(vol, accessmode.MultiNodeSingleWriter, 1, false), codes.FailedPrecondition)
+		wantCode(t, "reader on node-2", publish(vol, accessmode.MultiNodeSingleWriter, 1, true), codes.OK)
+		mustWrite(t, n1, vol, "log")
+		mustRead(t, n2, vol, "log")
+		mustNotWrite(t, n2, vol, "log")
+		unpublish(t, vol, 0)
+		unpublish(t, vol, 1)
+		deleteVol(t, vol)
+	})
+
+	t.Run("read write many: both nodes write", func(t *testing.T) {
+		vol := create(t, "rwx", accessmode.MultiNodeMultiWriter, 32<<20, nil)
+		for i, ns := range net.Nodes {
+			wantCode(t, "publish RWX", publish(vol, accessmode.MultiNodeMultiWriter, i, false), codes.OK)
+			mustWrite(t, ns, vol, ns.Name)
+		}
+		mustRead(t, n1, vol, n2.Name)
+		mustRead(t, n2, vol, n1.Name)
+		unpublish(t, vol, 0)
+		unpublish(t, vol, 1)
+		deleteVol(t, vol)
+	})
+
+	t.Run("a full volume refuses more data, and expansion makes room online", func(t *testing.T) {
+		vol := create(t, "small", accessmode.SingleNodeMultiWriter, 8<<20, nil)
+		wantCode(t, "publish", publish(vol, accessmode.SingleNodeMultiWriter, 0, false), codes.OK)
+		// libnfs-utils (Debian 12) cannot encode a WRITE larger than about
+		// 4 KiB, so the volume is filled on the server, as an administrator
+		// would, leaving less room than the client's next write needs.
+		serverDir := filepath.Join(work, "nfs", "volumes", strings.TrimPrefix(share(vol), "/"))
+		filler, err := os.Create(filepath.Join(serverDir, "filler"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Fill in ever smaller pieces until not one block is free.
+		var offset int64
+		for _, piece := range []int64{16 << 20, 1 << 20, 64 << 10, 4 << 10} {
+			for unix.Fallocate(int(filler.Fd()), 0, offset, piece) == nil {
+				offset += piece
+			}
+		}
+		filler.Close()
+		if offset < 100<<20 {
+			t.Fatalf("filled only %d bytes of a %d-byte volume", offset, vol.GetCapacityBytes())
+		}
+		chunk := filepath.Join(work, "chunk")
+		if err := os.WriteFile(chunk, bytes.Repeat([]byte("z"), 2000), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		err = n1.NFSCopy(ctx, chunk, net.NFSURL(share(vol), "one-more")+"&debug=1")
+		if err == nil {
+			t.Fatal("a write into a full volume went through")
+		}
+		if !strings.Contains(err.Error(), "NOSPC") && !strings.Contains(err.Error(), "DQUOT") {
+			t.Fatalf("the write failed, but not for want of space: %v", err)
+		}
+		resp, err := ctrl.csi.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{
+			VolumeId: vol.GetVolumeId(), CapacityRange: &csi.CapacityRange{RequiredBytes: vol.GetCapacityBytes() + 64<<20}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if resp.GetNodeExpansionRequired() {
+			t.Error("an NFS volume needs no node expansion: the server's limit is what clients see")
+		}
+		if err := n1.NFSCopy(ctx, chunk, net.NFSURL(share(vol), "after-expansion")); err != nil {
+			t.Fatalf("after expansion by 64 MiB, a 2000-byte write still failed: %v", err)
+		}
+		unpublish(t, vol, 0)
+		deleteVol(t, vol)
+	})
+
+	t.Run("restart restores every export exactly and removes stale ones", func(t *testing.T) {
+		kept := create(t, "kept", accessmode.SingleNodeMultiWriter, 16<<20, nil)
+		wantCode(t, "publish kept to node-2", publish(kept, accessmode.SingleNodeMultiWriter, 1, false), codes.OK)
+		mustWrite(t, n2, kept, "before-crash")
+		gone := create(t, "gone", accessmode.MultiNodeMultiWriter, 16<<20, nil)
+		wantCode(t, "publish gone to node-1", publish(gone, accessmode.MultiNodeMultiWriter, 0, false), codes.OK)
+		mustWrite(t, n1, gone, "f")
+
+		ctrl.kill()
+		// While the controller is down, the record of "gone" disappears,
+		// as after a crash in the middle of deleting it.
+		// The records live in the storage's root: the export root itself
+		// (images) or the pool mounted in it (quota).
+		records, _ := filepath.Glob(filepath.Join(work, "nfs", "meta", "volumes", "*.json"))
+		quotaRecords, _ := filepath.Glob(filepath.Join(work, "nfs", "pool", "meta", "volumes", "*.json"))
+		records = append(records, quotaRecords...)
+		removed := false
+		for _, r := range records {
+			if strings.Contains(readFile(r), gone.GetVolumeId()) {
+				if err := os.Remove(r); err != nil {
+					t.Fatal(err)
+				}
+				removed = true
+			}
+		}
+		if !removed {
+			t.Fatalf("no record of %s among %v", gone.GetVolumeId(), records)
+		}
+		ctrl.start(ctx)
+
+		mustRead(t, n2, kept, "before-crash")
+		mustWrite(t, n2, kept, "after-restart")
+		mustNotRead(t, n1, kept, "before-crash")
+		mustNotRead(t, n1, gone, "f")
+		unpublish(t, kept, 1)
+		deleteVol(t, kept)
+	})
+}
