@@ -154,7 +154,7 @@ func newPool(t *testing.T) (*Pool, string) {
 	dir := t.TempDir()
 	p, release, err := Prepare(context.Background(), dir, imageSize)
 	if errors.Is(err, ErrNoKernelQuota) {
-		t.Skipf("cannot test project quotas on this machine: %v", err)
+		t.Skipf("cannot test project quotas on this machine (make test-vm runs them under a kernel that can): %v", err)
 	}
 	if err != nil {
 		t.Fatalf("Prepare: %v", err)
@@ -628,7 +628,7 @@ func TestPrepareIsIdempotent(t *testing.T) {
 	t.Cleanup(func() { checkNothingLeft(t, dir) })
 	p1, release1, err := Prepare(ctx, dir, imageSize)
 	if errors.Is(err, ErrNoKernelQuota) {
-		t.Skipf("cannot test project quotas on this machine: %v", err)
+		t.Skipf("cannot test project quotas on this machine (make test-vm runs them under a kernel that can): %v", err)
 	}
 	if err != nil {
 		t.Fatal(err)
@@ -837,5 +837,23 @@ func TestConcurrentUse(t *testing.T) {
 	close(errs)
 	for err := range errs {
 		t.Error(err)
+	}
+}
+
+// TestKernelSupportsQuotaAgreesWithMount checks the cheap probe the NFS
+// backend uses to choose its storage against what mounting with prjquota
+// actually does, on whichever kernel runs the test (the host lacks xfs
+// quota support; the VM of make test-vm has it).
+func TestKernelSupportsQuotaAgreesWithMount(t *testing.T) {
+	needRoot(t)
+	_, release, err := Prepare(context.Background(), t.TempDir(), imageSize)
+	if err == nil {
+		defer release()
+	}
+	switch probe := KernelSupportsQuota(); {
+	case probe && err != nil:
+		t.Fatalf("the probe says the kernel has xfs quota support, but Prepare failed: %v", err)
+	case !probe && !errors.Is(err, ErrNoKernelQuota):
+		t.Fatalf("the probe says the kernel lacks xfs quota support, but Prepare gave %v", err)
 	}
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs this package's tests (built with -race) as root inside a throwaway
-# QEMU virtual machine booted with Debian's stock kernel.
+# Runs the tests of pkg/backend/nfs/projquota (built with -race) as root
+# inside a throwaway QEMU virtual machine booted with Debian's stock kernel.
 #
 # Why: the tests need xfs project quotas, and a kernel built without
 # CONFIG_XFS_QUOTA cannot mount xfs with -o prjquota; there the tests that
@@ -14,11 +14,11 @@
 # qemu-system-x86 (installed with apt-get when missing). Runs under
 # software emulation (TCG): about a minute.
 #
-# Usage: run-in-vm.sh [test binary flags, e.g. -test.run TestCopyTree]
+# Usage: test/vm/projquota.sh [test binary flags, e.g. -test.run TestCopyTree]
 # Exit status: the test binary's.
 set -euo pipefail
 
-pkgdir=$(cd "$(dirname "$0")/.." && pwd)
+pkgdir=$(cd "$(dirname "$0")/../../pkg/backend/nfs/projquota" && pwd)
 work=$(realpath -m "${PROJQUOTA_VM_DIR:-/var/tmp/projquota-vm}")
 mkdir -p "$work"
 cd "$work"
@@ -98,7 +98,7 @@ timeout 1200 qemu-system-x86_64 -accel tcg,thread=multi -cpu max -m 4096 -smp 2 
 
 status=$(tr -d '\r' <vm.log | sed -n 's/^projquota-vm-exit: \([0-9]*\)$/\1/p' | tail -1)
 if [ -z "$status" ]; then
-	echo "run-in-vm: the VM stopped without reporting the tests' exit status (see $work/vm.log)" >&2
+	echo "test/vm/projquota.sh: the VM stopped without reporting the tests' exit status (see $work/vm.log)" >&2
 	exit 2
 fi
 exit "$status"
