@@ -19,6 +19,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 )
 
 // DefaultMountOptions are used unless the volume capability's mount flags
@@ -79,7 +80,10 @@ func source(volCtx map[string]string) (string, int, error) {
 
 // mountOptions puts the CO's flags first and adds each default whose option
 // the CO did not set; read-only stages get "ro" whatever the flags say.
-func mountOptions(flags []string, port int, readOnly bool) []string {
+// addr= (the server) and clientaddr= (this node) are always given: the
+// kernel needs them when no mount.nfs helper is installed to work them out
+// (minimal hosts, busybox), and the helper accepts them.
+func mountOptions(flags []string, port int, readOnly bool, server, client string) []string {
 	opts := []string{}
 	set := map[string]bool{}
 	for _, f := range flags {
@@ -103,6 +107,12 @@ func mountOptions(flags []string, port int, readOnly bool) []string {
 	}
 	if port != 2049 && !set["port"] {
 		opts = append(opts, "port="+strconv.Itoa(port))
+	}
+	if server != "" && !set["addr"] {
+		opts = append(opts, "addr="+server)
+	}
+	if client != "" && !set["clientaddr"] {
+		opts = append(opts, "clientaddr="+client)
 	}
 	if readOnly && !slices.Contains(opts, "ro") {
 		opts = append(opts, "ro")
@@ -133,7 +143,11 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 		}
 		return nil, status.Errorf(codes.AlreadyExists, "staging path %s already holds another mount", req.StagingPath)
 	}
-	opts := mountOptions(req.MountFlags, port, req.ReadOnly)
+	client := ""
+	if n, err := nodeid.Parse(req.NodeID); err == nil {
+		client = n.Address
+	}
+	opts := mountOptions(req.MountFlags, port, req.ReadOnly, req.VolumeContext[ContextServer], client)
 	if err := n.mounter.Mount(src, req.StagingPath, "nfs4", opts); err != nil {
 		return nil, status.Errorf(codes.Internal, "mounting %s at %s: %v", src, req.StagingPath, err)
 	}

@@ -46,7 +46,10 @@ func TestStageWithFakeKernelMount(t *testing.T) {
 		code     codes.Code
 	}{
 		{name: "defaults", volCtx: goodContext, source: "10.99.0.1:/nfs__vol-abab",
-			want: []string{"vers=4.2", "proto=tcp", "hard", "timeo=600", "retrans=2"}, notWant: []string{"ro", "port=2049"}},
+			want:    []string{"vers=4.2", "proto=tcp", "hard", "timeo=600", "retrans=2", "addr=10.99.0.1", "clientaddr=10.0.0.11"},
+			notWant: []string{"ro", "port=2049"}},
+		{name: "CO sets clientaddr", volCtx: goodContext, flags: []string{"clientaddr=10.0.0.99"}, source: "10.99.0.1:/nfs__vol-abab",
+			want: []string{"clientaddr=10.0.0.99"}, notWant: []string{"clientaddr=10.0.0.11"}},
 		{name: "CO flags override a default", volCtx: goodContext, flags: []string{"vers=4.1", "noatime"}, source: "10.99.0.1:/nfs__vol-abab",
 			want: []string{"vers=4.1", "noatime", "hard"}, notWant: []string{"vers=4.2"}},
 		{name: "nfsvers counts as vers", volCtx: goodContext, flags: []string{"nfsvers=4.0"}, source: "10.99.0.1:/nfs__vol-abab",
