@@ -5,18 +5,14 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
@@ -26,89 +22,6 @@ import (
 	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/test/testenv"
 )
-
-// nfsController is the modeguard controller process, run inside the server
-// namespace so that the ganesha it starts serves the node namespaces.
-type nfsController struct {
-	t        *testing.T
-	bin      string
-	args     []string
-	log      string
-	netns    string
-	cmd      *exec.Cmd
-	done     chan struct{}
-	conn     *grpc.ClientConn
-	csi      csi.ControllerClient
-	endpoint string
-}
-
-func (c *nfsController) start(ctx context.Context) {
-	c.t.Helper()
-	logFile, err := os.OpenFile(c.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
-	if err != nil {
-		c.t.Fatal(err)
-	}
-	c.cmd = exec.Command("nsenter", append([]string{"--net=" + c.netns, "--", c.bin}, c.args...)...)
-	c.cmd.Stdout, c.cmd.Stderr = logFile, logFile
-	c.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := c.cmd.Start(); err != nil {
-		c.t.Fatal(err)
-	}
-	c.done = make(chan struct{})
-	go func() { c.cmd.Wait(); logFile.Close(); close(c.done) }()
-	if c.conn == nil {
-		conn, err := grpc.NewClient(c.endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
-		if err != nil {
-			c.t.Fatal(err)
-		}
-		c.conn, c.csi = conn, csi.NewControllerClient(conn)
-	}
-	id := csi.NewIdentityClient(c.conn)
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		pctx, cancel := context.WithTimeout(ctx, time.Second)
-		resp, err := id.Probe(pctx, &csi.ProbeRequest{})
-		cancel()
-		if err == nil && resp.GetReady().GetValue() {
-			return
-		}
-		select {
-		case <-c.done:
-			c.t.Fatalf("controller exited during start-up:\n%s", readFile(c.log))
-		case <-time.After(100 * time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			c.t.Fatalf("controller not ready:\n%s", readFile(c.log))
-		}
-	}
-}
-
-// kill stops the controller with SIGKILL, as a crash would: its ganesha
-// and bus are orphaned, and the next start must take over from them.
-func (c *nfsController) kill() {
-	_ = c.cmd.Process.Signal(syscall.SIGKILL)
-	<-c.done
-}
-
-func (c *nfsController) stop() {
-	select {
-	case <-c.done:
-		return
-	default:
-	}
-	_ = c.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-c.done:
-	case <-time.After(20 * time.Second):
-		c.t.Errorf("controller did not stop on SIGTERM; killing it")
-		c.kill()
-	}
-}
-
-func readFile(p string) string {
-	data, _ := os.ReadFile(p)
-	return string(data)
-}
 
 func nfsCapability(mode accessmode.Mode) *csi.VolumeCapability {
 	return &csi.VolumeCapability{
@@ -124,30 +37,23 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 	testenv.RequireRoot(t)
 	ganeshatest.RequireCommands(t, "ganesha.nfsd", "dbus-daemon", "nfs-cp", "nfs-cat", "nsenter", "mkfs.xfs", "xfs_quota")
 	net := ganeshatest.Setup(t, ganeshatest.Options{Nodes: 2, Prefix: "mgi"})
-	bin := buildBinary(t)
+	bin := testenv.BuildBinary(t)
 	work := t.TempDir()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 
-	ctrl := &nfsController{
-		t: t, bin: bin, netns: net.Server.Path, log: filepath.Join(work, "controller.log"),
-		endpoint: "unix://" + filepath.Join(work, "csi.sock"),
-	}
-	ctrl.args = []string{"--roles", "controller", "--endpoint", ctrl.endpoint, "-v", "2",
+	ctrl := testenv.NewController(t, bin, net.Server.Path, work, "--roles", "controller", "-v", "2",
 		"--nfs-export-root", filepath.Join(work, "nfs"), "--nfs-pool-size", "1Gi",
-		"--nfs-server", net.Server.Addr.String(), "--nfs-ganesha-dir", filepath.Join(work, "ganesha")}
-	ctrl.start(ctx)
+		"--nfs-server", net.Server.Addr.String(), "--nfs-ganesha-dir", filepath.Join(work, "ganesha"))
+	ctrl.Start(ctx)
 	t.Cleanup(func() {
-		ctrl.stop()
-		if ctrl.conn != nil {
-			ctrl.conn.Close()
-		}
+		ctrl.Stop()
 		for _, m := range localcluster.MountsUnder(work) {
 			t.Errorf("leftover mount %s after the controller stopped", m)
 		}
 		testenv.CleanupUnder(t, work)
 		if t.Failed() {
-			t.Logf("controller log:\n%s", readFile(ctrl.log))
+			t.Logf("controller log:\n%s", testenv.ReadFile(ctrl.Log))
 		}
 	})
 
@@ -163,7 +69,7 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 
 	create := func(t *testing.T, name string, mode accessmode.Mode, bytes int64, src *csi.VolumeContentSource) *csi.Volume {
 		t.Helper()
-		resp, err := ctrl.csi.CreateVolume(ctx, &csi.CreateVolumeRequest{
+		resp, err := ctrl.CSI.CreateVolume(ctx, &csi.CreateVolumeRequest{
 			Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: bytes},
 			VolumeCapabilities: []*csi.VolumeCapability{nfsCapability(mode)},
 			Parameters:         map[string]string{"backend": "nfs"}, VolumeContentSource: src,
@@ -177,21 +83,21 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 		return resp.GetVolume()
 	}
 	publish := func(vol *csi.Volume, mode accessmode.Mode, node int, readOnly bool) error {
-		_, err := ctrl.csi.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
+		_, err := ctrl.CSI.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
 			VolumeId: vol.GetVolumeId(), NodeId: nodeID(node), VolumeCapability: nfsCapability(mode), Readonly: readOnly,
 		})
 		return err
 	}
 	unpublish := func(t *testing.T, vol *csi.Volume, node int) {
 		t.Helper()
-		if _, err := ctrl.csi.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{
+		if _, err := ctrl.CSI.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{
 			VolumeId: vol.GetVolumeId(), NodeId: nodeID(node)}); err != nil {
 			t.Fatal(err)
 		}
 	}
 	deleteVol := func(t *testing.T, vol *csi.Volume) {
 		t.Helper()
-		if _, err := ctrl.csi.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: vol.GetVolumeId()}); err != nil {
+		if _, err := ctrl.CSI.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: vol.GetVolumeId()}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -255,7 +161,7 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 		wantCode(t, "publish source", publish(src, accessmode.SingleNodeMultiWriter, 0, false), codes.OK)
 		mustWrite(t, n1, src, "data")
 		unpublish(t, src, 0)
-		snap, err := ctrl.csi.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "rox-snap", SourceVolumeId: src.GetVolumeId()})
+		snap, err := ctrl.CSI.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "rox-snap", SourceVolumeId: src.GetVolumeId()})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -269,7 +175,7 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 		unpublish(t, vol, 0)
 		unpublish(t, vol, 1)
 		deleteVol(t, vol)
-		if _, err := ctrl.csi.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: snap.GetSnapshot().GetSnapshotId()}); err != nil {
+		if _, err := ctrl.CSI.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: snap.GetSnapshot().GetSnapshotId()}); err != nil {
 			t.Fatal(err)
 		}
 		deleteVol(t, src)
@@ -334,7 +240,7 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 		if !strings.Contains(err.Error(), "NOSPC") && !strings.Contains(err.Error(), "DQUOT") {
 			t.Fatalf("the write failed, but not for want of space: %v", err)
 		}
-		resp, err := ctrl.csi.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{
+		resp, err := ctrl.CSI.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{
 			VolumeId: vol.GetVolumeId(), CapacityRange: &csi.CapacityRange{RequiredBytes: vol.GetCapacityBytes() + 64<<20}})
 		if err != nil {
 			t.Fatal(err)
@@ -357,7 +263,7 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 		wantCode(t, "publish gone to node-1", publish(gone, accessmode.MultiNodeMultiWriter, 0, false), codes.OK)
 		mustWrite(t, n1, gone, "f")
 
-		ctrl.kill()
+		ctrl.Kill()
 		// While the controller is down, the record of "gone" disappears,
 		// as after a crash in the middle of deleting it.
 		// The records live in the storage's root: the export root itself
@@ -367,7 +273,7 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 		records = append(records, quotaRecords...)
 		removed := false
 		for _, r := range records {
-			if strings.Contains(readFile(r), gone.GetVolumeId()) {
+			if strings.Contains(testenv.ReadFile(r), gone.GetVolumeId()) {
 				if err := os.Remove(r); err != nil {
 					t.Fatal(err)
 				}
@@ -377,7 +283,7 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 		if !removed {
 			t.Fatalf("no record of %s among %v", gone.GetVolumeId(), records)
 		}
-		ctrl.start(ctx)
+		ctrl.Start(ctx)
 
 		mustRead(t, n2, kept, "before-crash")
 		mustWrite(t, n2, kept, "after-restart")

@@ -7,8 +7,6 @@ import (
 	"bytes"
 	"context"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -17,20 +15,9 @@ import (
 	"github.com/modeguard/modeguard/test/testenv"
 )
 
-// buildBinary compiles the driver once per test binary run.
-func buildBinary(t *testing.T) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "modeguard")
-	cmd := exec.Command("go", "build", "-race", "-o", bin, "github.com/modeguard/modeguard/cmd/modeguard")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("building modeguard: %v\n%s", err, out)
-	}
-	return bin
-}
-
 func TestStoriesAcrossProcesses(t *testing.T) {
 	testenv.RequireRoot(t)
-	bin := buildBinary(t)
+	bin := testenv.BuildBinary(t)
 	work := testenv.Tmpfs(t, "512m")
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()

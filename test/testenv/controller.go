@@ -1,0 +1,132 @@
+package testenv
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+)
+
+// BuildBinary compiles the driver (with the race detector) into a
+// directory of the test's and returns its path.
+func BuildBinary(t testing.TB) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "modeguard")
+	cmd := exec.Command("go", "build", "-race", "-o", bin, "github.com/modeguard/modeguard/cmd/modeguard")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("building modeguard: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// Controller is a modeguard controller process run inside a network
+// namespace (with nsenter --net, so it shares the host's mounts), serving
+// CSI on a unix socket the test reaches from the host.
+type Controller struct {
+	t        testing.TB
+	Bin      string
+	Args     []string // without --endpoint, which Start adds
+	NetNS    string   // /run/netns/<name>
+	Log      string
+	Endpoint string // unix:///...
+
+	cmd  *exec.Cmd
+	done chan struct{}
+	conn *grpc.ClientConn
+	CSI  csi.ControllerClient
+}
+
+// NewController prepares a controller whose socket and log live in dir.
+func NewController(t testing.TB, bin, netns, dir string, args ...string) *Controller {
+	return &Controller{t: t, Bin: bin, Args: args, NetNS: netns,
+		Log: filepath.Join(dir, "controller.log"), Endpoint: "unix://" + filepath.Join(dir, "csi.sock")}
+}
+
+// Start launches the process and waits until it answers Probe.
+func (c *Controller) Start(ctx context.Context) {
+	c.t.Helper()
+	logFile, err := os.OpenFile(c.Log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	args := append([]string{"--net=" + c.NetNS, "--", c.Bin, "--endpoint", c.Endpoint}, c.Args...)
+	c.cmd = exec.Command("nsenter", args...)
+	c.cmd.Stdout, c.cmd.Stderr = logFile, logFile
+	c.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := c.cmd.Start(); err != nil {
+		c.t.Fatal(err)
+	}
+	c.done = make(chan struct{})
+	go func() { c.cmd.Wait(); logFile.Close(); close(c.done) }()
+	if c.conn == nil {
+		conn, err := grpc.NewClient(c.Endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			c.t.Fatal(err)
+		}
+		c.conn, c.CSI = conn, csi.NewControllerClient(conn)
+	}
+	id := csi.NewIdentityClient(c.conn)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		pctx, cancel := context.WithTimeout(ctx, time.Second)
+		resp, err := id.Probe(pctx, &csi.ProbeRequest{})
+		cancel()
+		if err == nil && resp.GetReady().GetValue() {
+			return
+		}
+		select {
+		case <-c.done:
+			c.t.Fatalf("controller exited during start-up:\n%s", ReadFile(c.Log))
+		case <-time.After(100 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			c.t.Fatalf("controller not ready:\n%s", ReadFile(c.Log))
+		}
+	}
+}
+
+// Kill stops the controller with SIGKILL, as a crash would: its ganesha
+// and bus are orphaned, and the next Start must take over from them.
+func (c *Controller) Kill() {
+	_ = c.cmd.Process.Signal(syscall.SIGKILL)
+	<-c.done
+}
+
+// Stop stops the controller with SIGTERM (SIGKILL after 20 s) and closes
+// the client connection.
+func (c *Controller) Stop() {
+	defer func() {
+		if c.conn != nil {
+			c.conn.Close()
+			c.conn = nil
+		}
+	}()
+	if c.cmd == nil {
+		return
+	}
+	select {
+	case <-c.done:
+		return
+	default:
+	}
+	_ = c.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-c.done:
+	case <-time.After(20 * time.Second):
+		c.t.Errorf("controller did not stop on SIGTERM; killing it")
+		c.Kill()
+	}
+}
+
+// ReadFile returns a file's content, or "" when it cannot be read.
+func ReadFile(p string) string {
+	data, _ := os.ReadFile(p)
+	return string(data)
+}
