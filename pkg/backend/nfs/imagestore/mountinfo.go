@@ -1,12 +1,10 @@
 package imagestore
 
 import (
-	"bufio"
-	"bytes"
 	"fmt"
-	"os"
-	"strconv"
 	"strings"
+
+	"github.com/moby/sys/mountinfo"
 )
 
 // mountEntry is the part of one /proc/self/mountinfo line the store uses.
@@ -24,77 +22,24 @@ type mountEntry struct {
 
 const mountInfoPath = "/proc/self/mountinfo"
 
-// readMounts parses /proc/self/mountinfo (see proc(5)).
+// readMounts lists this process's mounts (parsed by moby/sys/mountinfo).
 func readMounts() ([]mountEntry, error) {
-	data, err := os.ReadFile(mountInfoPath)
+	infos, err := mountinfo.GetMounts(nil)
 	if err != nil {
-		return nil, fmt.Errorf("imagestore: %w", err)
+		return nil, fmt.Errorf("imagestore: reading %s: %w", mountInfoPath, err)
 	}
-	ms, err := parseMountInfo(data)
-	if err != nil {
-		return nil, fmt.Errorf("imagestore: %s: %w", mountInfoPath, err)
-	}
-	return ms, nil
+	return entries(infos), nil
 }
 
-func parseMountInfo(data []byte) ([]mountEntry, error) {
-	var out []mountEntry
-	sc := bufio.NewScanner(bytes.NewReader(data))
-	sc.Buffer(make([]byte, 0, 64*1024), 1024*1024)
-	for sc.Scan() {
-		line := sc.Text()
-		if line == "" {
-			continue
-		}
-		// ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER
-		pre, post, ok := strings.Cut(line, " - ")
-		if !ok {
-			return nil, fmt.Errorf("line without separator: %q", line)
-		}
-		f := strings.Fields(pre)
-		g := strings.Fields(post)
-		if len(f) < 6 || len(g) < 2 {
-			return nil, fmt.Errorf("short line: %q", line)
-		}
-		id, err1 := strconv.Atoi(f[0])
-		parent, err2 := strconv.Atoi(f[1])
-		if err1 != nil || err2 != nil {
-			return nil, fmt.Errorf("bad mount ids in line %q", line)
-		}
-		e := mountEntry{
-			ID:         id,
-			ParentID:   parent,
-			MountPoint: unescapeOctal(f[4]),
-			FsType:     g[0],
-			Source:     unescapeOctal(g[1]),
-			Options:    strings.Split(f[5], ","),
-		}
-		if len(g) > 2 {
-			e.SuperOptions = strings.Split(g[2], ",")
-		}
-		out = append(out, e)
+func entries(infos []*mountinfo.Info) []mountEntry {
+	out := make([]mountEntry, 0, len(infos))
+	for _, m := range infos {
+		out = append(out, mountEntry{
+			ID: m.ID, ParentID: m.Parent, MountPoint: m.Mountpoint, FsType: m.FSType, Source: m.Source,
+			Options: strings.Split(m.Options, ","), SuperOptions: strings.Split(m.VFSOptions, ","),
+		})
 	}
-	return out, sc.Err()
-}
-
-// unescapeOctal undoes the kernel's \NNN escapes (space, tab, newline,
-// backslash) in mountinfo fields.
-func unescapeOctal(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
+	return out
 }
 
 // topMountAt returns the mount that is visible at path (absolute, free of

@@ -136,35 +136,6 @@ func TestFreezeIoctlNumbers(t *testing.T) {
 	}
 }
 
-func TestParseMountInfo(t *testing.T) {
-	in := "31 30 7:0 / /srv/a\\040b/volumes/x rw,nosuid,nodev,relatime shared:5 - xfs /dev/loop0 rw,nouuid,attr2\n" +
-		"40 31 7:1 / /srv/a\\040b/volumes/x rw - xfs /dev/loop1 rw\n" +
-		"32 30 0:5 / /mnt rw - tmpfs tmpfs rw\n"
-	ms, err := parseMountInfo([]byte(in))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(ms) != 3 || ms[0].MountPoint != "/srv/a b/volumes/x" || ms[0].FsType != "xfs" || ms[0].Source != "/dev/loop0" || ms[0].ID != 31 || ms[0].ParentID != 30 {
-		t.Fatalf("parsed %+v", ms)
-	}
-	if strings.Join(ms[0].Options, ",") != "rw,nosuid,nodev,relatime" || strings.Join(ms[0].SuperOptions, ",") != "rw,nouuid,attr2" {
-		t.Errorf("options %v %v", ms[0].Options, ms[0].SuperOptions)
-	}
-	// Mount 40 sits on 31 at the same place: it is what is visible.
-	if top := topMountAt(ms, "/srv/a b/volumes/x"); top == nil || top.ID != 40 {
-		t.Errorf("topMountAt = %+v", top)
-	}
-	if top := topMountAt(ms, "/srv"); top != nil {
-		t.Errorf("topMountAt(/srv) = %+v", top)
-	}
-	if got := mountPointsOf(ms, "/dev/loop1"); len(got) != 1 || got[0] != "/srv/a b/volumes/x" {
-		t.Errorf("mountPointsOf = %v", got)
-	}
-	if _, err := parseMountInfo([]byte("garbage\n")); err == nil {
-		t.Error("parsed garbage")
-	}
-}
-
 func TestRelLocks(t *testing.T) {
 	var l relLocks
 	ctx := context.Background()

@@ -68,11 +68,7 @@ func newStore(t *testing.T) *Store {
 // removes them so that a failing test does not leave the machine dirty.
 func checkNothingLeft(t *testing.T, root string) {
 	t.Helper()
-	data, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		t.Errorf("checking for leftovers: %v", err)
-	}
-	mounts, err := parseMountInfo(data)
+	mounts, err := readMounts()
 	if err != nil {
 		t.Errorf("checking for leftovers: %v", err)
 	}

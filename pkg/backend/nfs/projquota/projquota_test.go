@@ -111,24 +111,6 @@ func TestFsxattrIoctlNumbers(t *testing.T) {
 	}
 }
 
-func TestParseMountInfo(t *testing.T) {
-	in := "31 30 7:0 / /tmp/a\\040b/pool rw,nodev,relatime shared:5 - xfs /dev/loop0 rw,attr2,inode64,prjquota\n" +
-		"32 30 0:5 / /mnt rw - tmpfs tmpfs rw\n"
-	ms, err := parseMountInfo([]byte(in))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(ms) != 2 || ms[0].MountPoint != "/tmp/a b/pool" || ms[0].FsType != "xfs" || ms[0].Source != "/dev/loop0" || ms[0].ID != 31 {
-		t.Fatalf("parsed %+v", ms)
-	}
-	if !hasProjectQuota(ms[0].SuperOptions) || hasProjectQuota(ms[1].SuperOptions) {
-		t.Errorf("hasProjectQuota wrong: %+v", ms)
-	}
-	if hasProjectQuota([]string{"rw", "pqnoenforce"}) {
-		t.Error("accounting without enforcement taken for enforcement")
-	}
-}
-
 // --- tests on a real pool ---
 
 func needRoot(t *testing.T) {
