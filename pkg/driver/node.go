@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
@@ -32,6 +31,10 @@ const (
 	podNamespaceKey = "csi.storage.k8s.io/pod.namespace"
 	podUIDKey       = "csi.storage.k8s.io/pod.uid"
 )
+
+// statsTimeout bounds NodeGetVolumeStats on a filesystem that does not
+// answer (a network mount whose server is gone).
+const statsTimeout = 10 * time.Second
 
 type nodeServer struct {
 	csi.UnimplementedNodeServer
@@ -410,8 +413,8 @@ func (s *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 		}
 		return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: size}}}, nil
 	}
-	var st unix.Statfs_t
-	if err := unix.Statfs(req.GetVolumePath(), &st); err != nil {
+	st, err := fsutil.StatfsWithin(req.GetVolumePath(), statsTimeout)
+	if err != nil {
 		return nil, status.Errorf(codes.Internal, "statfs %s: %v", req.GetVolumePath(), err)
 	}
 	bs := int64(st.Bsize)

@@ -4,10 +4,14 @@ package fsutil
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // WriteFileAtomic replaces path with data so that a crash at any moment
@@ -108,4 +112,31 @@ func CheckCOPath(field, p string) error {
 		return fmt.Errorf("%s must not be /", field)
 	}
 	return nil
+}
+
+// ErrNoAnswer is returned by StatfsWithin when statfs did not return in time.
+var ErrNoAnswer = errors.New("statfs did not return in time (an unreachable network filesystem?)")
+
+// StatfsWithin runs statfs but gives up after d: on a hard NFS mount whose
+// server is gone statfs blocks forever, and no RPC of the driver may. The
+// blocked call is left to finish (or not) in the background.
+func StatfsWithin(path string, d time.Duration) (*unix.Statfs_t, error) {
+	type result struct {
+		st  unix.Statfs_t
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		var r result
+		r.err = unix.Statfs(path, &r.st)
+		ch <- r
+	}()
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	select {
+	case r := <-ch:
+		return &r.st, r.err
+	case <-timer.C:
+		return nil, ErrNoAnswer
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"time"
 	"strings"
 	"syscall"
 	"testing"
@@ -322,5 +323,15 @@ func TestCheckCOPath(t *testing.T) {
 		if !strings.Contains(err.Error(), "target_path") || !strings.Contains(err.Error(), tt.reason) {
 			t.Errorf("CheckCOPath(%q) = %q, want it to name the field and say %q", tt.p, err, tt.reason)
 		}
+	}
+}
+
+func TestStatfsWithin(t *testing.T) {
+	st, err := StatfsWithin(t.TempDir(), 5*time.Second)
+	if err != nil || st.Blocks == 0 || st.Bsize == 0 {
+		t.Fatalf("statfs of a directory: %+v, %v", st, err)
+	}
+	if _, err := StatfsWithin(filepath.Join(t.TempDir(), "missing"), 5*time.Second); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("statfs of a missing path: %v, want ENOENT", err)
 	}
 }

@@ -19,6 +19,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/pkg/nodeid"
 )
 
@@ -176,7 +177,7 @@ func (n *Node) Unstage(ctx context.Context, staged *backend.Staged) error {
 // filesystem's size less its own overhead, never the volume's capacity. It
 // returns 0 ("not known here"), which NodeExpandVolume leaves out of its answer.
 func (n *Node) Expand(ctx context.Context, staged *backend.Staged) (int64, error) {
-	if _, err := statfsWithin(staged.StagingPath, healthTimeout); err != nil {
+	if _, err := fsutil.StatfsWithin(staged.StagingPath, healthTimeout); err != nil {
 		return 0, status.Errorf(codes.FailedPrecondition, "the NFS mount at %s does not answer: %v", staged.StagingPath, err)
 	}
 	return 0, nil
@@ -188,7 +189,7 @@ func (n *Node) Health(ctx context.Context, staged *backend.Staged) backend.Healt
 		return backend.Health{Abnormal: true, Reason: "NotMounted",
 			Message: fmt.Sprintf("the NFS export is no longer mounted at %s", staged.StagingPath)}
 	}
-	if _, err := statfsWithin(staged.StagingPath, healthTimeout); err != nil {
+	if _, err := fsutil.StatfsWithin(staged.StagingPath, healthTimeout); err != nil {
 		reason := "Unreachable"
 		if errors.Is(err, unix.ESTALE) {
 			reason = "StaleMount"
@@ -197,27 +198,4 @@ func (n *Node) Health(ctx context.Context, staged *backend.Staged) backend.Healt
 			Message: fmt.Sprintf("the NFS mount at %s does not answer: %v", staged.StagingPath, err)}
 	}
 	return backend.Health{}
-}
-
-var errTimeout = errors.New("no answer from the NFS server")
-
-// statfsWithin runs statfs but gives up after d: a hard NFS mount whose
-// server is gone blocks forever, and a health check must not.
-func statfsWithin(path string, d time.Duration) (*unix.Statfs_t, error) {
-	type result struct {
-		st  unix.Statfs_t
-		err error
-	}
-	ch := make(chan result, 1)
-	go func() {
-		var r result
-		r.err = unix.Statfs(path, &r.st)
-		ch <- r
-	}()
-	select {
-	case r := <-ch:
-		return &r.st, r.err
-	case <-time.After(d):
-		return nil, errTimeout
-	}
 }
