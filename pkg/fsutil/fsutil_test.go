@@ -5,10 +5,10 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
-	"time"
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 )
 
 // entries lists dir's names, to catch temporary files left behind.
