@@ -5,12 +5,12 @@ import "github.com/container-storage-interface/spec/lib/go/csi"
 // All capability lists are built here, from the configuration, so that what
 // the driver advertises and what it implements are read off one page.
 
+// pluginCapabilities describe the plugin (the driver as a whole), not this
+// process: a node-only process of a split deployment still belongs to a
+// plugin with a controller service, and COs and conformance tests read it so.
 func (d *Driver) pluginCapabilities() []*csi.PluginCapability {
-	var caps []*csi.PluginCapability
-	if d.HasRole(RoleController) {
-		caps = append(caps, &csi.PluginCapability{Type: &csi.PluginCapability_Service_{
-			Service: &csi.PluginCapability_Service{Type: csi.PluginCapability_Service_CONTROLLER_SERVICE}}})
-	}
+	caps := []*csi.PluginCapability{{Type: &csi.PluginCapability_Service_{
+		Service: &csi.PluginCapability_Service{Type: csi.PluginCapability_Service_CONTROLLER_SERVICE}}}}
 	caps = append(caps,
 		&csi.PluginCapability{Type: &csi.PluginCapability_Service_{
 			Service: &csi.PluginCapability_Service{Type: csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS}}},

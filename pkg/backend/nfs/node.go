@@ -150,6 +150,10 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 	}
 	opts := mountOptions(req.MountFlags, port, req.ReadOnly, req.VolumeContext[ContextServer], client)
 	if err := n.mounter.Mount(src, req.StagingPath, "nfs4", opts); err != nil {
+		if refusedByServer(err) {
+			return nil, status.Errorf(codes.FailedPrecondition,
+				"the NFS server refused %s to this node: the export is open only to the nodes the volume is published to (ControllerPublishVolume must succeed for this node first): %v", src, err)
+		}
 		return nil, status.Errorf(codes.Internal, "mounting %s at %s: %v", src, req.StagingPath, err)
 	}
 	return staged, nil
@@ -198,4 +202,14 @@ func (n *Node) Health(ctx context.Context, staged *backend.Staged) backend.Healt
 			Message: fmt.Sprintf("the NFS mount at %s does not answer: %v", staged.StagingPath, err)}
 	}
 	return backend.Health{}
+}
+
+// refusedByServer tells a mount the server refused (a client not in the
+// export's list sees the export as absent, or access denied) from other
+// failures.
+func refusedByServer(err error) bool {
+	msg := err.Error()
+	return strings.Contains(msg, "access denied by server") ||
+		strings.Contains(msg, "reason given by server: No such file or directory") ||
+		strings.Contains(msg, "Permission denied")
 }
