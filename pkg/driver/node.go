@@ -109,6 +109,7 @@ func (d *Driver) lockRecord(id volumeid.ID) (func(), *holders.Record, error) {
 		release()
 		return nil, nil, status.Error(codes.Internal, err.Error())
 	}
+	rec.NodeID = d.nodeID
 	return release, rec, nil
 }
 

@@ -29,9 +29,12 @@ import (
 
 // Record is one volume's lock file.
 type Record struct {
-	VolumeID string              `json:"volumeID"`
-	Staged   *backend.Staged     `json:"staged,omitempty"`
-	Holders  []accessmode.Holder `json:"holders,omitempty"`
+	VolumeID string `json:"volumeID"`
+	// NodeID is the node plugin that wrote the record, so that a reader
+	// of several nodes' state (modeguard inspect) can tell them apart.
+	NodeID  string              `json:"nodeID,omitempty"`
+	Staged  *backend.Staged     `json:"staged,omitempty"`
+	Holders []accessmode.Holder `json:"holders,omitempty"`
 }
 
 // Empty reports whether the record holds nothing, so its file can go.
@@ -58,7 +61,7 @@ func (r *Record) WithHolder(h accessmode.Holder) *Record {
 
 // WithoutHolder returns a copy of the record without the holder at targetPath.
 func (r *Record) WithoutHolder(targetPath string) *Record {
-	out := &Record{VolumeID: r.VolumeID, Staged: r.Staged}
+	out := &Record{VolumeID: r.VolumeID, NodeID: r.NodeID, Staged: r.Staged}
 	for _, h := range r.Holders {
 		if h.TargetPath != targetPath {
 			out.Holders = append(out.Holders, h)
@@ -177,7 +180,7 @@ func (s *Store) RemoveLeftovers() {
 // mounted (its workload vanished while nobody was watching), logging each.
 // It returns the pruned record and whether anything was dropped.
 func DropUnmounted(rec *Record, isMounted func(path string) bool) (*Record, bool) {
-	out := &Record{VolumeID: rec.VolumeID, Staged: rec.Staged}
+	out := &Record{VolumeID: rec.VolumeID, NodeID: rec.NodeID, Staged: rec.Staged}
 	dropped := false
 	for _, h := range rec.Holders {
 		if isMounted(h.TargetPath) {
