@@ -132,7 +132,7 @@ func parseFlags(args []string) (*options, error) {
 	klog.InitFlags(klogFlags)
 	fs.Var(klogFlags.Lookup("v").Value, "v", "log verbosity: 0 state changes and refusals, 2 failed calls, 4 every call")
 	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "Usage: modeguard [flags]\n       modeguard demo [--help]\n\nA CSI driver whose access modes hold. Flags:\n")
+		fmt.Fprintf(fs.Output(), "Usage: modeguard [flags]\n       modeguard demo [--help]\n       modeguard inspect [--help]\n\nA CSI driver whose access modes hold. Flags:\n")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -227,6 +227,13 @@ func run(o *options) error {
 }
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == "inspect" {
+		if err := runInspect(os.Args[2:]); err != nil && !errors.Is(err, flag.ErrHelp) {
+			fmt.Fprintln(os.Stderr, "modeguard inspect:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if len(os.Args) > 1 && os.Args[1] == "demo" {
 		if err := runDemo(os.Args[2:]); err != nil && !errors.Is(err, flag.ErrHelp) {
 			fmt.Fprintln(os.Stderr, "modeguard demo:", err)

@@ -1,0 +1,53 @@
+package main
+
+import (
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"strings"
+
+	"github.com/modeguard/modeguard/pkg/inspect"
+)
+
+// stringsFlag collects a repeatable string flag.
+type stringsFlag []string
+
+func (s *stringsFlag) String() string     { return strings.Join(*s, ",") }
+func (s *stringsFlag) Set(v string) error { *s = append(*s, v); return nil }
+
+// runInspect prints who holds each volume and what the access-mode rules do
+// with one more node or workload, from the driver's state on disk.
+func runInspect(args []string) error {
+	fs := flag.NewFlagSet("modeguard inspect", flag.ContinueOnError)
+	pools := poolFlag{}
+	var stateDirs stringsFlag
+	var o inspect.Options
+	asJSON := fs.Bool("json", false, "print JSON, for scripts")
+	fs.Var(pools, "block-pool", "ZONE=DIR: a block pool to read volume records from (repeatable)")
+	fs.StringVar(&o.NFSExportRoot, "nfs-export-root", "", "the controller's --nfs-export-root, to read NFS volume records from")
+	fs.StringVar(&o.NFSExportConfigDir, "nfs-export-config-dir", "", "where the controller writes export files (default <nfs-ganesha-dir>/exports), to read each export's client list")
+	fs.Var(&stateDirs, "state-dir", "a node plugin's --state-dir, to read its lock files (repeatable: one per node)")
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "Usage: modeguard inspect [flags] [volume-id ...]\n\n"+
+			"Prints, for each volume, its backend, zone and modes, the nodes it is attached to, the\n"+
+			"workloads holding it on each node, its export's client list, and what the access-mode\n"+
+			"rules do with one more node or workload. Reads state files only.\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	o.BlockPools, o.StateDirs, o.Volumes = pools, stateDirs, fs.Args()
+	report, err := inspect.Collect(o)
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		enc := json.NewEncoder(os.Stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(report)
+	}
+	report.WriteText(os.Stdout)
+	return nil
+}
