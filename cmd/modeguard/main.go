@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 
 	"k8s.io/klog/v2"
 
@@ -21,6 +22,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
 	"github.com/modeguard/modeguard/pkg/driver"
+	"github.com/modeguard/modeguard/pkg/metrics"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -67,6 +69,7 @@ type options struct {
 	driverName  string
 	maxVolumes  int64
 	pools       poolFlag
+	metricsAddr string
 	showVersion bool
 	nfs         nfs.Options
 }
@@ -127,6 +130,8 @@ func parseFlags(args []string) (*options, error) {
 		"controller: D-Bus address of a ganesha run by someone else (e.g. unix:path=/run/ganesha/bus.sock); the driver then starts none")
 	fs.StringVar(&o.nfs.ExportConfigDir, "nfs-export-config-dir", "",
 		"controller: where export files go; required with --nfs-ganesha-dbus (that ganesha must include it with %dir), default <nfs-ganesha-dir>/exports")
+	fs.StringVar(&o.metricsAddr, "metrics-address", "",
+		"where to serve Prometheus metrics over HTTP at "+metrics.Path+", host:port (e.g. 127.0.0.1:9808 or :9808); off when empty")
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
 	klog.InitFlags(klogFlags)
@@ -173,6 +178,10 @@ func run(o *options) error {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
+	if o.metricsAddr != "" {
+		cfg.Metrics = metrics.New()
+		o.nfs.ControlFailed = cfg.Metrics.NFSControlFailed
+	}
 	for _, r := range roles {
 		switch {
 		case r == driver.RoleController && o.nfs.ExportRoot != "":
@@ -216,6 +225,22 @@ func run(o *options) error {
 		return err
 	}
 	srv := d.NewGRPCServer()
+	if cfg.Metrics != nil {
+		ms, err := cfg.Metrics.Start(o.metricsAddr)
+		if err != nil {
+			lis.Close()
+			return fmt.Errorf("--metrics-address: %w", err)
+		}
+		klog.InfoS("Serving metrics", "url", ms.URL())
+		// Stops with the gRPC server, however that ends.
+		defer func() {
+			sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			if err := ms.Shutdown(sctx); err != nil {
+				klog.ErrorS(err, "Stopping the metrics server")
+			}
+		}()
+	}
 	go func() {
 		<-ctx.Done()
 		klog.InfoS("Stopping: waiting for calls in flight")

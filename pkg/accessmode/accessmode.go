@@ -139,11 +139,51 @@ func EffectiveReadOnly(m Mode, requestedReadOnly, attachedReadOnly bool) bool {
 	return IsReadOnly(m) || requestedReadOnly || attachedReadOnly
 }
 
+// Reasons a publish is refused, for machines (metrics labels): CamelCase,
+// one per rule, never more than the list in Reasons.
+const (
+	// ReasonInvalidMode: the request names no defined CSI access mode.
+	ReasonInvalidMode = "InvalidMode"
+	// ReasonPublishedWithOtherArguments: the same node (attach) or target
+	// path (publish) already holds the volume with other arguments.
+	ReasonPublishedWithOtherArguments = "PublishedWithOtherArguments"
+	// ReasonHeldByOtherNode: a mode on either side allows one node at a time
+	// and another node holds the volume.
+	ReasonHeldByOtherNode = "HeldByOtherNode"
+	// ReasonWriterLimit: one more writer node than the holders' modes allow.
+	ReasonWriterLimit = "WriterLimit"
+	// ReasonHeldByOtherWorkload: a mode on either side allows one workload
+	// (target path) per node and another one holds the volume.
+	ReasonHeldByOtherWorkload = "HeldByOtherWorkload"
+	// ReasonOtherAccessMode: the volume is published on this node with
+	// another access mode.
+	ReasonOtherAccessMode = "OtherAccessMode"
+
+	// The driver's own refusals at attach, outside this package's rules
+	// but about who may hold a volume all the same.
+
+	// ReasonOtherZone: the node is outside the volume's zone.
+	ReasonOtherZone = "OtherZone"
+	// ReasonAttachLimit: the node already holds its limit of volumes.
+	ReasonAttachLimit = "AttachLimit"
+	// ReasonModeNotAllowed: the mode allows more than the modes the volume
+	// was created for (see Within).
+	ReasonModeNotAllowed = "ModeNotAllowed"
+)
+
+// Reasons lists every refusal reason, the bounded set metrics may carry.
+var Reasons = []string{
+	ReasonInvalidMode, ReasonPublishedWithOtherArguments, ReasonHeldByOtherNode, ReasonWriterLimit,
+	ReasonHeldByOtherWorkload, ReasonOtherAccessMode, ReasonOtherZone, ReasonAttachLimit, ReasonModeNotAllowed,
+}
+
 // Decision is the outcome of a rule: OK, or a gRPC code with a message a
-// person can act on. Idempotent is set when the request repeats one that is
-// already in force, so the caller must change nothing.
+// person can act on and a Reason (one of Reasons) a machine can count.
+// Idempotent is set when the request repeats one that is already in force,
+// so the caller must change nothing.
 type Decision struct {
 	Code       codes.Code
+	Reason     string
 	Message    string
 	Idempotent bool
 }
@@ -153,6 +193,6 @@ func (d Decision) Allowed() bool { return d.Code == codes.OK }
 
 func allow() Decision  { return Decision{Code: codes.OK} }
 func repeat() Decision { return Decision{Code: codes.OK, Idempotent: true} }
-func refuse(c codes.Code, format string, a ...any) Decision {
-	return Decision{Code: c, Message: fmt.Sprintf(format, a...)}
+func refuse(c codes.Code, reason, format string, a ...any) Decision {
+	return Decision{Code: c, Reason: reason, Message: fmt.Sprintf(format, a...)}
 }

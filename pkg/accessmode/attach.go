@@ -23,7 +23,7 @@ type Attachment struct {
 // effective value (see EffectiveReadOnly).
 func CheckAttach(existing []Attachment, req Attachment) Decision {
 	if !Valid(req.Mode) {
-		return refuse(codes.InvalidArgument, "access mode %v is not a defined CSI access mode", req.Mode)
+		return refuse(codes.InvalidArgument, ReasonInvalidMode, "access mode %v is not a defined CSI access mode", req.Mode)
 	}
 	var others []Attachment
 	for _, a := range existing {
@@ -34,7 +34,7 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 		if a.Mode == req.Mode && a.ReadOnly == req.ReadOnly && a.Fingerprint == req.Fingerprint {
 			return repeat()
 		}
-		return refuse(codes.AlreadyExists,
+		return refuse(codes.AlreadyExists, ReasonPublishedWithOtherArguments,
 			"volume is already published to node %q as %s (readonly=%t) with another capability; unpublish it from that node first",
 			a.NodeID, Name(a.Mode), a.ReadOnly)
 	}
@@ -43,7 +43,7 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 	}
 	want, _ := limitsOf(req.Mode)
 	if want.nodes == 1 {
-		return refuse(codes.FailedPrecondition,
+		return refuse(codes.FailedPrecondition, ReasonHeldByOtherNode,
 			"volume is published to node %q; access mode %s allows one node at a time: unpublish it there (stop the workload) before publishing to node %q",
 			others[0].NodeID, Name(req.Mode), req.NodeID)
 	}
@@ -56,7 +56,7 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 	for _, o := range others {
 		l, _ := limitsOf(o.Mode)
 		if l.nodes == 1 {
-			return refuse(codes.FailedPrecondition,
+			return refuse(codes.FailedPrecondition, ReasonHeldByOtherNode,
 				"volume is published to node %q as %s, which allows one node at a time; unpublish it there before publishing to node %q",
 				o.NodeID, Name(o.Mode), req.NodeID)
 		}
@@ -84,11 +84,11 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 	}
 	if len(writers) == 0 { // req is the only writer
 		if limiter.NodeID == req.NodeID {
-			return refuse(codes.FailedPrecondition,
+			return refuse(codes.FailedPrecondition, ReasonWriterLimit,
 				"volume is published read-only to node %q; access mode %s allows no writer node; publish read-only instead",
 				others[0].NodeID, Name(req.Mode))
 		}
-		return refuse(codes.FailedPrecondition,
+		return refuse(codes.FailedPrecondition, ReasonWriterLimit,
 			"volume is published read-only to node %q as %s, which allows no writer node; publish read-only instead",
 			limiter.NodeID, Name(limiter.Mode))
 	}
@@ -96,6 +96,6 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 	if req.ReadOnly {
 		advice = "unpublish it there first"
 	}
-	return refuse(codes.FailedPrecondition,
+	return refuse(codes.FailedPrecondition, ReasonWriterLimit,
 		"volume is published read/write to node %q; %s; %s", writers[0], rule, advice)
 }

@@ -28,57 +28,58 @@ func TestCheckAttach(t *testing.T) {
 		want     codes.Code
 		idem     bool
 		mention  []string // the message must contain each
+		reason   string   // the refusal's Reason ("" when allowed)
 	}{
 		// SINGLE_NODE_*: "Volume published to another node" ->
 		// FAILED_PRECONDITION naming the node that holds it.
-		{"SNW second node", holds(at("node-a", SNW, "rw")), at("node-b", SNW, "rw"), FP, false, []string{`"node-a"`}},
-		{"SNSW second node", holds(at("node-a", SNSW, "rw")), at("node-b", SNSW, "rw"), FP, false, []string{`"node-a"`}},
-		{"SNMW second node", holds(at("node-a", SNMW, "rw")), at("node-b", SNMW, "rw"), FP, false, []string{`"node-a"`}},
-		{"SNRO second node", holds(at("node-a", SNRO, "ro")), at("node-b", SNRO, "ro"), FP, false, []string{`"node-a"`}},
-		{"SNW second node read-only", holds(at("node-a", SNW, "rw")), at("node-b", SNW, "ro"), FP, false, []string{`"node-a"`}},
-		{"SNSW after SNW on another node", holds(at("node-a", SNW, "rw")), at("node-b", SNSW, "rw"), FP, false, []string{`"node-a"`}},
+		{"SNW second node", holds(at("node-a", SNW, "rw")), at("node-b", SNW, "rw"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
+		{"SNSW second node", holds(at("node-a", SNSW, "rw")), at("node-b", SNSW, "rw"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
+		{"SNMW second node", holds(at("node-a", SNMW, "rw")), at("node-b", SNMW, "rw"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
+		{"SNRO second node", holds(at("node-a", SNRO, "ro")), at("node-b", SNRO, "ro"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
+		{"SNW second node read-only", holds(at("node-a", SNW, "rw")), at("node-b", SNW, "ro"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
+		{"SNSW after SNW on another node", holds(at("node-a", SNW, "rw")), at("node-b", SNSW, "rw"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
 
 		// MULTI_NODE_READER_ONLY: any number of readers.
-		{"MNRO fourth reader", holds(at("node-a", MNRO, "ro"), at("node-b", MNRO, "ro"), at("node-c", MNRO, "ro")), at("node-d", MNRO, "ro"), OK, false, nil},
-		{"MNRO writer among readers", holds(at("node-a", MNRO, "ro")), at("node-b", MNRO, "rw"), FP, false, []string{`"node-a"`}},
+		{"MNRO fourth reader", holds(at("node-a", MNRO, "ro"), at("node-b", MNRO, "ro"), at("node-c", MNRO, "ro")), at("node-d", MNRO, "ro"), OK, false, nil, ""},
+		{"MNRO writer among readers", holds(at("node-a", MNRO, "ro")), at("node-b", MNRO, "rw"), FP, false, []string{`"node-a"`}, "WriterLimit"},
 
 		// MULTI_NODE_SINGLE_WRITER: many readers, at most one writer.
-		{"MNSW reader after writer", holds(at("node-a", MNSW, "rw")), at("node-b", MNSW, "ro"), OK, false, nil},
-		{"MNSW readers after writer", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "ro"), at("node-c", MNSW, "ro")), at("node-d", MNSW, "ro"), OK, false, nil},
-		{"MNSW writer after readers", holds(at("node-b", MNSW, "ro"), at("node-c", MNSW, "ro")), at("node-a", MNSW, "rw"), OK, false, nil},
-		{"MNSW second writer", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "ro")), at("node-c", MNSW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_SINGLE_WRITER", "read-only"}},
-		{"MNSW second writer, writer listed last", holds(at("node-b", MNSW, "ro"), at("node-c", MNSW, "ro"), at("node-a", MNSW, "rw")), at("node-d", MNSW, "rw"), FP, false, []string{`"node-a"`}},
+		{"MNSW reader after writer", holds(at("node-a", MNSW, "rw")), at("node-b", MNSW, "ro"), OK, false, nil, ""},
+		{"MNSW readers after writer", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "ro"), at("node-c", MNSW, "ro")), at("node-d", MNSW, "ro"), OK, false, nil, ""},
+		{"MNSW writer after readers", holds(at("node-b", MNSW, "ro"), at("node-c", MNSW, "ro")), at("node-a", MNSW, "rw"), OK, false, nil, ""},
+		{"MNSW second writer", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "ro")), at("node-c", MNSW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_SINGLE_WRITER", "read-only"}, "WriterLimit"},
+		{"MNSW second writer, writer listed last", holds(at("node-b", MNSW, "ro"), at("node-c", MNSW, "ro"), at("node-a", MNSW, "rw")), at("node-d", MNSW, "rw"), FP, false, []string{`"node-a"`}, "WriterLimit"},
 
 		// MULTI_NODE_MULTI_WRITER: anything.
-		{"MNMW fourth writer", holds(at("node-a", MNMW, "rw"), at("node-b", MNMW, "rw"), at("node-c", MNMW, "ro")), at("node-d", MNMW, "rw"), OK, false, nil},
-		{"MNMW reader", holds(at("node-a", MNMW, "rw"), at("node-b", MNMW, "rw")), at("node-c", MNMW, "ro"), OK, false, nil},
+		{"MNMW fourth writer", holds(at("node-a", MNMW, "rw"), at("node-b", MNMW, "rw"), at("node-c", MNMW, "ro")), at("node-d", MNMW, "rw"), OK, false, nil, ""},
+		{"MNMW reader", holds(at("node-a", MNMW, "rw"), at("node-b", MNMW, "rw")), at("node-c", MNMW, "ro"), OK, false, nil, ""},
 
 		// The same node again: idempotent, or "Volume published but is
 		// incompatible" -> ALREADY_EXISTS.
-		{"same node same args", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "ro")), at("node-b", MNSW, "ro"), OK, true, nil},
-		{"same single-node holder again", holds(at("node-a", SNSW, "rw")), at("node-a", SNSW, "rw"), OK, true, nil},
-		{"same node other mode", holds(at("node-a", SNSW, "rw")), at("node-a", SNMW, "rw"), AE, false, []string{`"node-a"`}},
-		{"same node other readonly", holds(at("node-a", MNMW, "rw")), at("node-a", MNMW, "ro"), AE, false, []string{`"node-a"`}},
-		{"same node other fingerprint", holds(at("node-a", SNW, "rw")), Attachment{NodeID: "node-a", Mode: SNW, Fingerprint: "block"}, AE, false, []string{`"node-a"`}},
+		{"same node same args", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "ro")), at("node-b", MNSW, "ro"), OK, true, nil, ""},
+		{"same single-node holder again", holds(at("node-a", SNSW, "rw")), at("node-a", SNSW, "rw"), OK, true, nil, ""},
+		{"same node other mode", holds(at("node-a", SNSW, "rw")), at("node-a", SNMW, "rw"), AE, false, []string{`"node-a"`}, "PublishedWithOtherArguments"},
+		{"same node other readonly", holds(at("node-a", MNMW, "rw")), at("node-a", MNMW, "ro"), AE, false, []string{`"node-a"`}, "PublishedWithOtherArguments"},
+		{"same node other fingerprint", holds(at("node-a", SNW, "rw")), Attachment{NodeID: "node-a", Mode: SNW, Fingerprint: "block"}, AE, false, []string{`"node-a"`}, "PublishedWithOtherArguments"},
 		// The same node is judged before the other nodes: its repeat is
 		// fine even if, as a new request, it would be refused.
-		{"same node repeat among conflicts", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "rw")), at("node-b", MNSW, "rw"), OK, true, nil},
+		{"same node repeat among conflicts", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "rw")), at("node-b", MNSW, "rw"), OK, true, nil, ""},
 
 		// Mixing modes across nodes.
-		{"multi-node request after single-node holder", holds(at("node-a", SNW, "rw")), at("node-b", MNMW, "rw"), FP, false, []string{`"node-a"`, "SINGLE_NODE_WRITER"}},
-		{"multi-node reader after single-node reader", holds(at("node-a", SNRO, "ro")), at("node-b", MNRO, "ro"), FP, false, []string{`"node-a"`}},
-		{"single-node request after multi-node holder", holds(at("node-a", MNMW, "rw")), at("node-b", SNMW, "rw"), FP, false, []string{`"node-a"`}},
-		{"MNMW writer while MNRO reader holds it", holds(at("node-a", MNRO, "ro")), at("node-b", MNMW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_READER_ONLY"}},
-		{"MNSW writer while MNRO reader holds it", holds(at("node-a", MNRO, "ro")), at("node-b", MNSW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_READER_ONLY"}},
-		{"MNMW reader while MNRO reader holds it", holds(at("node-a", MNRO, "ro")), at("node-b", MNMW, "ro"), OK, false, nil},
-		{"MNMW second writer while MNSW writer holds it", holds(at("node-a", MNSW, "rw")), at("node-b", MNMW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_SINGLE_WRITER"}},
-		{"MNRO reader while a writer holds it", holds(at("node-a", MNMW, "rw")), at("node-b", MNRO, "ro"), FP, false, []string{`"node-a"`, "MULTI_NODE_READER_ONLY"}},
-		{"MNSW reader while two writers hold it", holds(at("node-a", MNMW, "rw"), at("node-b", MNMW, "rw")), at("node-c", MNSW, "ro"), FP, false, []string{"MULTI_NODE_SINGLE_WRITER"}},
-		{"writer blocked by a reader-only holder listed after a writer", holds(at("node-a", MNMW, "ro"), at("node-b", MNRO, "ro")), at("node-c", MNMW, "rw"), FP, false, []string{`"node-b"`, "MULTI_NODE_READER_ONLY"}},
+		{"multi-node request after single-node holder", holds(at("node-a", SNW, "rw")), at("node-b", MNMW, "rw"), FP, false, []string{`"node-a"`, "SINGLE_NODE_WRITER"}, "HeldByOtherNode"},
+		{"multi-node reader after single-node reader", holds(at("node-a", SNRO, "ro")), at("node-b", MNRO, "ro"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
+		{"single-node request after multi-node holder", holds(at("node-a", MNMW, "rw")), at("node-b", SNMW, "rw"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
+		{"MNMW writer while MNRO reader holds it", holds(at("node-a", MNRO, "ro")), at("node-b", MNMW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_READER_ONLY"}, "WriterLimit"},
+		{"MNSW writer while MNRO reader holds it", holds(at("node-a", MNRO, "ro")), at("node-b", MNSW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_READER_ONLY"}, "WriterLimit"},
+		{"MNMW reader while MNRO reader holds it", holds(at("node-a", MNRO, "ro")), at("node-b", MNMW, "ro"), OK, false, nil, ""},
+		{"MNMW second writer while MNSW writer holds it", holds(at("node-a", MNSW, "rw")), at("node-b", MNMW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_SINGLE_WRITER"}, "WriterLimit"},
+		{"MNRO reader while a writer holds it", holds(at("node-a", MNMW, "rw")), at("node-b", MNRO, "ro"), FP, false, []string{`"node-a"`, "MULTI_NODE_READER_ONLY"}, "WriterLimit"},
+		{"MNSW reader while two writers hold it", holds(at("node-a", MNMW, "rw"), at("node-b", MNMW, "rw")), at("node-c", MNSW, "ro"), FP, false, []string{"MULTI_NODE_SINGLE_WRITER"}, "WriterLimit"},
+		{"writer blocked by a reader-only holder listed after a writer", holds(at("node-a", MNMW, "ro"), at("node-b", MNRO, "ro")), at("node-c", MNMW, "rw"), FP, false, []string{`"node-b"`, "MULTI_NODE_READER_ONLY"}, "WriterLimit"},
 
 		// Not a mode at all.
-		{"invalid mode", nil, Attachment{NodeID: "node-a", Mode: Mode(0)}, INV, false, nil},
-		{"invalid mode among holders", holds(at("node-a", MNMW, "rw")), Attachment{NodeID: "node-b", Mode: Mode(42)}, INV, false, nil},
+		{"invalid mode", nil, Attachment{NodeID: "node-a", Mode: Mode(0)}, INV, false, nil, "InvalidMode"},
+		{"invalid mode among holders", holds(at("node-a", MNMW, "rw")), Attachment{NodeID: "node-b", Mode: Mode(42)}, INV, false, nil, "InvalidMode"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -94,6 +95,9 @@ func TestCheckAttach(t *testing.T) {
 			}
 			if (d.Message == "") != (tt.want == OK) {
 				t.Errorf("message %q with code %v", d.Message, d.Code)
+			}
+			if d.Reason != tt.reason {
+				t.Errorf("reason = %q, want %q", d.Reason, tt.reason)
 			}
 			for _, s := range tt.mention {
 				if !strings.Contains(d.Message, s) {
@@ -137,6 +141,9 @@ func TestCheckAttachSingleNodeNamesHolder(t *testing.T) {
 			}
 			if !strings.Contains(d.Message, "worker-7.example.com") {
 				t.Errorf("%v held, %v asked: message %q does not name the holding node", held, asked, d.Message)
+			}
+			if d.Reason != ReasonHeldByOtherNode {
+				t.Errorf("%v held, %v asked: reason %q, want %s", held, asked, d.Reason, ReasonHeldByOtherNode)
 			}
 		}
 	}

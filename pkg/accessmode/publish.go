@@ -45,7 +45,7 @@ type Holder struct {
 // advertises SINGLE_NODE_MULTI_WRITER.
 func CheckPublish(holders []Holder, req Holder) Decision {
 	if !Valid(req.Mode) {
-		return refuse(codes.InvalidArgument, "access mode %v is not a defined CSI access mode", req.Mode)
+		return refuse(codes.InvalidArgument, ReasonInvalidMode, "access mode %v is not a defined CSI access mode", req.Mode)
 	}
 	for _, h := range holders {
 		if h.TargetPath != req.TargetPath {
@@ -54,7 +54,7 @@ func CheckPublish(holders []Holder, req Holder) Decision {
 		if h.Fingerprint == req.Fingerprint {
 			return repeat()
 		}
-		return refuse(codes.AlreadyExists,
+		return refuse(codes.AlreadyExists, ReasonPublishedWithOtherArguments,
 			"volume is already published at %s with other arguments (mode %s, readonly=%t); unpublish it there first",
 			h.TargetPath, Name(h.Mode), h.ReadOnly)
 	}
@@ -64,14 +64,14 @@ func CheckPublish(holders []Holder, req Holder) Decision {
 			if !SingleWorkload(single) {
 				single = h.Mode
 			}
-			return refuse(codes.FailedPrecondition,
+			return refuse(codes.FailedPrecondition, ReasonHeldByOtherWorkload,
 				"volume is in use by %s at %s; access mode %s allows one workload at a time: stop that workload first",
 				h.Workload, h.TargetPath, Name(single))
 		}
 		if h.Mode != req.Mode {
 			// The spec asks COs not to publish one volume with two
 			// capabilities on one node, and plugins to refuse it.
-			return refuse(codes.FailedPrecondition,
+			return refuse(codes.FailedPrecondition, ReasonOtherAccessMode,
 				"volume is published on this node as %s (at %s); a second publish as %s is refused: use one access mode per node",
 				Name(h.Mode), h.TargetPath, Name(req.Mode))
 		}

@@ -105,6 +105,12 @@ func TestCheckPublish(t *testing.T) {
 				if want != OK && !strings.Contains(d.Message, target1) {
 					t.Errorf("message %q does not name the holder's target path %s", d.Message, target1)
 				}
+				wantReason := map[codes.Code]string{
+					OK: "", AE: "PublishedWithOtherArguments", FP: "HeldByOtherWorkload",
+				}[want]
+				if d.Reason != wantReason {
+					t.Errorf("reason = %q, want %q", d.Reason, wantReason)
+				}
 			})
 		}
 	}
@@ -119,7 +125,7 @@ func TestCheckPublishFirstPublishIsAllowed(t *testing.T) {
 	for _, m := range All {
 		for _, ro := range []bool{false, true} {
 			d := CheckPublish(nil, holder(target1, m, ro, "fp"))
-			if !d.Allowed() || d.Idempotent || d.Message != "" {
+			if !d.Allowed() || d.Idempotent || d.Message != "" || d.Reason != "" {
 				t.Errorf("%v readonly=%t on a node with no holder: %+v, want plain OK", m, ro, d)
 			}
 		}
@@ -145,6 +151,15 @@ func TestCheckPublishSecondTargetWithAnotherMode(t *testing.T) {
 				if !strings.Contains(d.Message, Name(held)) && !strings.Contains(d.Message, Name(asked)) {
 					t.Errorf("message %q names neither mode", d.Message)
 				}
+				// One workload per node is the stronger rule and is named
+				// first; otherwise the two modes are what is wrong.
+				wantReason := "OtherAccessMode"
+				if SingleWorkload(held) || SingleWorkload(asked) {
+					wantReason = "HeldByOtherWorkload"
+				}
+				if d.Reason != wantReason {
+					t.Errorf("reason = %q, want %q", d.Reason, wantReason)
+				}
 			})
 		}
 	}
@@ -167,8 +182,8 @@ func TestCheckPublishMessagesNameTheHolder(t *testing.T) {
 			req := holder(target2, SingleNodeSingleWriter, false, "fp")
 			req.Workload = Workload{Name: "intruder", Namespace: "prod"}
 			d := CheckPublish([]Holder{h}, req)
-			if d.Code != FP {
-				t.Fatalf("code = %v, want FAILED_PRECONDITION", d.Code)
+			if d.Code != FP || d.Reason != ReasonHeldByOtherWorkload {
+				t.Fatalf("code = %v, reason %q, want FAILED_PRECONDITION, %s", d.Code, d.Reason, ReasonHeldByOtherWorkload)
 			}
 			for _, s := range []string{target1, tt.want, Name(SingleNodeSingleWriter)} {
 				if !strings.Contains(d.Message, s) {
@@ -210,8 +225,8 @@ func TestCheckPublishInvalidMode(t *testing.T) {
 			if d.Code != INV {
 				t.Errorf("mode %d with %d holders: code = %v, want INVALID_ARGUMENT", m, len(holders), d.Code)
 			}
-			if d.Message == "" || d.Idempotent {
-				t.Errorf("mode %d: %+v", m, d)
+			if d.Message == "" || d.Idempotent || d.Reason != "InvalidMode" {
+				t.Errorf("mode %d: %+v, want a message and reason InvalidMode", m, d)
 			}
 		}
 	}
@@ -229,7 +244,7 @@ func TestCheckPublishManyHolders(t *testing.T) {
 		if d := CheckPublish(holders, holder(target2, m, true, "fp-2")); !d.Allowed() || !d.Idempotent {
 			t.Errorf("%v, repeat of the second holder: %+v, want OK idempotent", m, d)
 		}
-		if d := CheckPublish(holders, holder(target2, m, false, "fp-1")); d.Code != AE || !strings.Contains(d.Message, target2) {
+		if d := CheckPublish(holders, holder(target2, m, false, "fp-1")); d.Code != AE || !strings.Contains(d.Message, target2) || d.Reason != ReasonPublishedWithOtherArguments {
 			t.Errorf("%v, second target with other arguments: %+v, want ALREADY_EXISTS naming %s", m, d, target2)
 		}
 	}

@@ -67,6 +67,20 @@ type Health struct {
 	Message  string // for people
 }
 
+// PoolStats is one pool's size and use, as metrics report it.
+type PoolStats struct {
+	// Zone is the pool's zone; "" for a backend whose pool serves every zone.
+	Zone string
+	// SizeBytes and FreeBytes are the backing filesystem's total and
+	// available bytes.
+	SizeBytes int64
+	FreeBytes int64
+	// CommittedBytes is what the pool has promised: the capacities of its
+	// volumes (and, where snapshots hold a size limit of their own, as with
+	// NFS, their sizes).
+	CommittedBytes int64
+}
+
 // Controller is the controller-side half of a backend.
 type Controller interface {
 	// Backend names the backend.
@@ -82,6 +96,9 @@ type Controller interface {
 	NodeExpansionRequired() bool
 	// Capacity is the number of bytes a new volume in zone could still get.
 	Capacity(ctx context.Context, zone string) (int64, error)
+	// Pools reports every pool's size, free space and committed bytes, in
+	// the order of Zones (one pool with zone "" when Zones is nil).
+	Pools(ctx context.Context) ([]PoolStats, error)
 
 	CreateVolume(ctx context.Context, spec VolumeSpec) (*Volume, error)
 	// Volume returns the recorded volume, or a NotFound status.

@@ -18,6 +18,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/metrics"
 	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
@@ -608,6 +609,7 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 		return nil, status.Errorf(codes.NotFound, "node %q is not known to this driver: %v", req.GetNodeId(), err)
 	}
 	if vol.Zone != "" && node.Zone != vol.Zone {
+		s.d.refused(metrics.StageAttach, mode, accessmode.ReasonOtherZone)
 		return nil, status.Errorf(codes.FailedPrecondition,
 			"volume %s lives in zone %s and node %s is in zone %s; a volume can only be published to nodes of its zone",
 			vol.ID, vol.Zone, node.Name, node.Zone)
@@ -616,7 +618,11 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 		return nil, status.Errorf(codes.FailedPrecondition,
 			"node %s reported no NFS client address, so no export can be opened to it; start its node plugin with --node-address", node.Name)
 	}
-	if err := checkUse(vol, accessType, fsType, mode); err != nil {
+	if err := checkUse(vol, accessType, fsType); err != nil {
+		return nil, err
+	}
+	if err := checkMode(vol, mode); err != nil {
+		s.d.refused(metrics.StageAttach, mode, accessmode.ReasonModeNotAllowed)
 		return nil, err
 	}
 	want := accessmode.Attachment{
@@ -628,10 +634,14 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 	decision := accessmode.CheckAttach(vol.Attachments, want)
 	if decision.Allowed() && !decision.Idempotent {
 		if err := s.checkAttachLimit(ctx, req.GetNodeId()); err != nil {
+			if status.Code(err) == codes.ResourceExhausted {
+				s.d.refused(metrics.StageAttach, mode, accessmode.ReasonAttachLimit)
+			}
 			return nil, err
 		}
 	}
 	if !decision.Allowed() {
+		s.d.refused(metrics.StageAttach, mode, decision.Reason)
 		klog.InfoS("Publish refused by the access-mode rules", "volumeID", vol.ID, "node", req.GetNodeId(),
 			"mode", accessmode.Name(mode), "code", decision.Code, "reason", decision.Message)
 		return nil, status.Errorf(decision.Code, "volume %s: %s", vol.ID, decision.Message)
@@ -677,8 +687,8 @@ func (s *controllerServer) checkAttachLimit(ctx context.Context, node string) er
 	return nil
 }
 
-// checkUse refuses a capability the volume was not created for.
-func checkUse(vol *backend.Volume, accessType accessmode.AccessType, fsType string, mode accessmode.Mode) error {
+// checkUse refuses an access type or filesystem the volume was not created with.
+func checkUse(vol *backend.Volume, accessType accessmode.AccessType, fsType string) error {
 	if accessType != vol.AccessType {
 		return status.Errorf(codes.InvalidArgument,
 			"volume %s was created with access type %s, not %s", vol.ID, vol.AccessType, accessType)
@@ -687,6 +697,11 @@ func checkUse(vol *backend.Volume, accessType accessmode.AccessType, fsType stri
 		return status.Errorf(codes.InvalidArgument,
 			"volume %s holds a %s filesystem, not %s", vol.ID, vol.FsType, fsType)
 	}
+	return nil
+}
+
+// checkMode refuses a mode that allows more than the volume was created for.
+func checkMode(vol *backend.Volume, mode accessmode.Mode) error {
 	if !accessmode.WithinAny(mode, vol.Modes) {
 		return status.Errorf(codes.FailedPrecondition,
 			"volume %s was created for access modes %s; %s would allow more than that",
@@ -751,7 +766,10 @@ func (s *controllerServer) ValidateVolumeCapabilities(ctx context.Context, req *
 		if err != nil {
 			return nil, err
 		}
-		if err := checkUse(vol, accessType, fsType, mode); err != nil {
+		if err := checkUse(vol, accessType, fsType); err != nil {
+			return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil
+		}
+		if err := checkMode(vol, mode); err != nil {
 			return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil
 		}
 		if err := accessmode.Serves(mustParse(vol.ID).Backend, accessType, mode); err != nil {

@@ -16,6 +16,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/holders"
+	"github.com/modeguard/modeguard/pkg/metrics"
 	"github.com/modeguard/modeguard/pkg/nodeid"
 )
 
@@ -53,6 +54,10 @@ type Config struct {
 
 	// Controller role.
 	Controllers map[accessmode.Backend]backend.Controller
+
+	// Metrics, when set, counts calls and refusals and reads this
+	// driver's volumes, pools and lock files at scrape time; nil is off.
+	Metrics *metrics.Metrics
 }
 
 // Driver implements the three CSI services.
@@ -97,7 +102,22 @@ func New(cfg Config) (*Driver, error) {
 		}
 		d.holders = store
 	}
+	if cfg.Metrics != nil {
+		src := metrics.Sources{}
+		if d.HasRole(RoleController) {
+			src.Controllers = cfg.Controllers
+		}
+		if d.holders != nil {
+			src.NodeID, src.Holders = d.nodeID, d.holders
+		}
+		cfg.Metrics.SetSources(src)
+	}
 	return d, nil
+}
+
+// refused counts a publish the access-mode rules refused (when metrics are on).
+func (d *Driver) refused(stage string, mode accessmode.Mode, reason string) {
+	d.cfg.Metrics.PublishRefused(stage, mode, reason)
 }
 
 // HasRole reports whether this process serves r.

@@ -22,6 +22,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/pkg/holders"
+	"github.com/modeguard/modeguard/pkg/metrics"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -263,6 +264,7 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	rec, dropped := holders.DropUnmounted(rec, func(p string) bool { return p == want.TargetPath || s.d.isMounted(p) })
 	decision := accessmode.CheckPublish(rec.Holders, want)
 	if !decision.Allowed() {
+		s.d.refused(metrics.StagePublish, mode, decision.Reason)
 		if dropped {
 			_ = s.d.holders.Save(id, rec)
 		}

@@ -32,6 +32,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/pkg/driver"
 	"github.com/modeguard/modeguard/pkg/localcluster"
+	"github.com/modeguard/modeguard/pkg/metrics"
 	"github.com/modeguard/modeguard/test/testenv"
 )
 
@@ -47,6 +48,7 @@ type env struct {
 	pool     string
 	stateDir string
 	maxVols  int64
+	metrics  *metrics.Metrics // nil: metrics off
 
 	d      *driver.Driver
 	srv    *grpc.Server
@@ -56,8 +58,9 @@ type env struct {
 	starts int
 }
 
-// newEnv starts a driver on a fresh tmpfs. maxVolumes is MaxVolumesPerNode.
-func newEnv(t *testing.T, maxVolumes int64) *env {
+// newEnv starts a driver on a fresh tmpfs. maxVolumes is MaxVolumesPerNode;
+// opts adjust the env before the driver starts.
+func newEnv(t *testing.T, maxVolumes int64, opts ...func(*env)) *env {
 	t.Helper()
 	testenv.RequireRoot(t)
 	root := testenv.Tmpfs(t, "320m")
@@ -66,6 +69,9 @@ func newEnv(t *testing.T, maxVolumes int64) *env {
 		pool:     filepath.Join(root, "pool-"+testZone),
 		stateDir: filepath.Join(root, "state"),
 		maxVols:  maxVolumes,
+	}
+	for _, o := range opts {
+		o(e)
 	}
 	for _, d := range []string{e.pool, e.stateDir, filepath.Join(root, "staging"), filepath.Join(root, "targets")} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
@@ -110,6 +116,7 @@ func (e *env) start(t *testing.T) {
 		MaxVolumesPerNode: e.maxVols,
 		Controllers:       map[accessmode.Backend]backend.Controller{accessmode.BackendBlock: ctrl},
 		Nodes:             map[accessmode.Backend]backend.Node{accessmode.BackendBlock: node},
+		Metrics:           e.metrics,
 	})
 	if err != nil {
 		t.Fatal(err)

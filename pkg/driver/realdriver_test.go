@@ -19,6 +19,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/holders"
+	"github.com/modeguard/modeguard/pkg/metrics"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -211,7 +212,8 @@ func TestControllerPublishNodeChecks(t *testing.T) {
 
 func TestControllerPublishAttachLimit(t *testing.T) {
 	const limit = 2
-	e := newEnv(t, limit)
+	m := metrics.New()
+	e := newEnv(t, limit, func(e *env) { e.metrics = m })
 	c := blockCap(accessmode.SingleNodeWriter)
 	var vols []string
 	for i := 0; i < limit+1; i++ {
@@ -254,6 +256,8 @@ func TestControllerPublishAttachLimit(t *testing.T) {
 		e.cleanupControllerUnpublish(t, other2, e.nodeID())
 	}
 	wantCode(t, "full again", publish(vols[0], e.nodeID()), codes.ResourceExhausted)
+	want(t, gathered(t, m), "modeguard_publish_refused_total",
+		map[string]string{"stage": "attach", "mode": "SINGLE_NODE_WRITER", "reason": "AttachLimit"}, 2)
 }
 
 func readLockFile(t *testing.T, e *env, volID string) *holders.Record {

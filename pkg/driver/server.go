@@ -59,7 +59,12 @@ func Listen(endpoint string) (net.Listener, error) {
 
 // NewGRPCServer registers the services this driver's roles call for.
 func (d *Driver) NewGRPCServer() *grpc.Server {
-	srv := grpc.NewServer(grpc.UnaryInterceptor(logCalls))
+	interceptors := []grpc.UnaryServerInterceptor{logCalls}
+	if d.cfg.Metrics != nil {
+		// Outermost, so the duration covers everything the driver does.
+		interceptors = append([]grpc.UnaryServerInterceptor{d.cfg.Metrics.UnaryServerInterceptor()}, interceptors...)
+	}
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(interceptors...))
 	csi.RegisterIdentityServer(srv, &identityServer{d: d})
 	if d.HasRole(RoleController) {
 		csi.RegisterControllerServer(srv, &controllerServer{d: d})

@@ -193,6 +193,28 @@ func (c *Controller) Capacity(ctx context.Context, zone string) (int64, error) {
 	return c.spareIn(p)
 }
 
+// Pools reports each zone's pool: the size and free space of the
+// filesystem its directory is on, and the capacities of its volumes.
+func (c *Controller) Pools(ctx context.Context) ([]backend.PoolStats, error) {
+	committed := map[string]int64{}
+	c.mu.Lock()
+	for _, v := range c.volumes {
+		if id, err := volumeid.Parse(v.ID); err == nil {
+			committed[id.Zone] += v.CapacityBytes
+		}
+	}
+	c.mu.Unlock()
+	out := make([]backend.PoolStats, 0, len(c.zones))
+	for _, zone := range c.zones {
+		size, free, err := poolSpace(c.pools[zone].dir)
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "statfs of block pool %q: %v", zone, err)
+		}
+		out = append(out, backend.PoolStats{Zone: zone, SizeBytes: size, FreeBytes: free, CommittedBytes: committed[zone]})
+	}
+	return out, nil
+}
+
 func (c *Controller) spareIn(p *pool) (int64, error) {
 	type commitment struct {
 		image    string

@@ -77,6 +77,16 @@ func freeBytes(dir string) (int64, error) {
 	return int64(st.Bavail) * int64(st.Bsize), nil
 }
 
+// poolSpace is the total size of dir's filesystem and, as freeBytes, what an
+// unprivileged writer could still store there.
+func poolSpace(dir string) (size, free int64, err error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return 0, 0, err
+	}
+	return int64(st.Blocks) * int64(st.Bsize), int64(st.Bavail) * int64(st.Bsize), nil
+}
+
 // allocatedBytes is the space a file really occupies; an absent file
 // occupies nothing.
 func allocatedBytes(path string) (int64, error) {

@@ -79,7 +79,17 @@ type Config struct {
 	ExportDir string // where export files go; ganesha includes this directory
 	Server    string // the address nodes mount from
 	Port      int    // ganesha's NFS port (2049 when zero)
+	// ControlFailed, when set, is called each time telling ganesha fails,
+	// with the operation: OpApplyExport, OpRemoveExport or OpExports.
+	ControlFailed func(operation string)
 }
+
+// The operations of Exporter, as ControlFailed names them.
+const (
+	OpApplyExport  = "ApplyExport"
+	OpRemoveExport = "RemoveExport"
+	OpExports      = "Exports"
+)
 
 // volumeRecord is a volume's record on disk.
 type volumeRecord struct {
@@ -151,6 +161,13 @@ func NewController(ctx context.Context, cfg Config) (*Controller, error) {
 func (c *Controller) Start(ctx context.Context, exporter Exporter) error {
 	c.exporter = exporter
 	return c.reconcileOnline(ctx)
+}
+
+// controlFailed counts a failure to tell ganesha something.
+func (c *Controller) controlFailed(operation string) {
+	if c.cfg.ControlFailed != nil {
+		c.cfg.ControlFailed(operation)
+	}
 }
 
 func (c *Controller) dir(elem ...string) string {
@@ -267,6 +284,7 @@ func (c *Controller) prepareOffline(ctx context.Context) error {
 func (c *Controller) reconcileOnline(ctx context.Context) error {
 	served, err := c.exporter.Exports(ctx)
 	if err != nil {
+		c.controlFailed(OpExports)
 		return fmt.Errorf("nfs: listing ganesha's exports: %w", err)
 	}
 	for _, ex := range served {
@@ -278,6 +296,7 @@ func (c *Controller) reconcileOnline(ctx context.Context) error {
 		}
 		klog.InfoS("Removing a stale export from ganesha", "exportID", ex.ID, "path", ex.Path)
 		if err := c.exporter.RemoveExport(ctx, ex.ID); err != nil && !ganesha.IsNotFound(err) {
+			c.controlFailed(OpRemoveExport)
 			return fmt.Errorf("nfs: removing stale export %d: %w", ex.ID, err)
 		}
 	}
@@ -351,6 +370,7 @@ func (c *Controller) applyExport(ctx context.Context, rec *volumeRecord) error {
 	}
 	id, _ := volumeid.Parse(rec.Volume.ID)
 	if err := c.exporter.ApplyExport(ctx, c.exportFile(id), rec.ExportID); err != nil {
+		c.controlFailed(OpApplyExport)
 		return status.Errorf(codes.Unavailable, "ganesha refused the export of %s: %v", rec.Volume.ID, err)
 	}
 	return nil
@@ -429,6 +449,19 @@ func (c *Controller) Capacity(ctx context.Context, zone string) (int64, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return max(0, min(free, total-c.committed)), nil
+}
+
+// Pools reports the one pool every zone shares: the storage's size and free
+// space, and the bytes promised to volumes and snapshots.
+func (c *Controller) Pools(ctx context.Context) ([]backend.PoolStats, error) {
+	free, total, err := c.poolSpace()
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	committed := c.committed
+	c.mu.Unlock()
+	return []backend.PoolStats{{SizeBytes: total, FreeBytes: free, CommittedBytes: committed}}, nil
 }
 
 func (c *Controller) commit(delta int64) {
@@ -575,6 +608,7 @@ func (c *Controller) DeleteVolume(ctx context.Context, id volumeid.ID) error {
 	}
 	// Access goes first, then the record, then the data.
 	if err := c.exporter.RemoveExport(ctx, rec.ExportID); err != nil && !ganesha.IsNotFound(err) {
+		c.controlFailed(OpRemoveExport)
 		return status.Errorf(codes.Unavailable, "removing the export of %s: %v", id, err)
 	}
 	if err := fsutil.RemoveDurably(c.exportFile(id)); err != nil {

@@ -35,6 +35,9 @@ type Options struct {
 	ExportConfigDir string
 	GaneshaDir      string
 	ListenAddress   string
+	// ControlFailed, when set, is told each operation on ganesha that
+	// fails (see Config).
+	ControlFailed func(operation string)
 }
 
 // Setup prepares the pool, starts or reaches ganesha, and returns the
@@ -67,7 +70,9 @@ func Setup(ctx context.Context, o Options) (*Controller, func(), error) {
 		exportDir = filepath.Join(o.GaneshaDir, "exports")
 	}
 	// Everything ganesha reads at start is put right before it starts.
-	c, err := NewController(ctx, Config{Storage: storage, ExportDir: exportDir, Server: o.Server, Port: o.Port})
+	c, err := NewController(ctx, Config{
+		Storage: storage, ExportDir: exportDir, Server: o.Server, Port: o.Port, ControlFailed: o.ControlFailed,
+	})
 	if err != nil {
 		stop()
 		return nil, nil, err

@@ -1,0 +1,146 @@
+package nfs_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/backend/nfs"
+	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha"
+	"github.com/modeguard/modeguard/pkg/metrics"
+	"github.com/modeguard/modeguard/pkg/volumeid"
+)
+
+// dirStorage keeps each object as a plain directory, without size limits:
+// enough for the controller's bookkeeping, which is all these tests look at.
+type dirStorage struct{ root string }
+
+func (d dirStorage) Root() string   { return d.root }
+func (d dirStorage) MinSize() int64 { return 1 << 20 }
+func (d dirStorage) Create(_ context.Context, rel string, _ uint32, _ int64) error {
+	return os.MkdirAll(filepath.Join(d.root, rel), 0o755)
+}
+func (d dirStorage) Grow(context.Context, string, uint32, int64) error { return nil }
+func (d dirStorage) Copy(ctx context.Context, _, dst string, p uint32, l int64) error {
+	return d.Create(ctx, dst, p, l)
+}
+func (d dirStorage) Remove(_ context.Context, rel string, _ uint32) error {
+	return os.RemoveAll(filepath.Join(d.root, rel))
+}
+func (d dirStorage) Usage(context.Context, string, uint32) (int64, int64, error) { return 0, 0, nil }
+func (d dirStorage) Free() (int64, error)                                        { return 1 << 30, nil }
+func (d dirStorage) Size() (int64, error)                                        { return 2 << 30, nil }
+func (d dirStorage) Restore(context.Context, string, uint32) error               { return nil }
+func (d dirStorage) Prune(context.Context, map[string]bool) ([]string, error)    { return nil, nil }
+func (d dirStorage) Release() error                                              { return nil }
+
+// flakyGanesha fails the operations it is told to.
+type flakyGanesha struct {
+	failApply, failList bool
+	removeErr           error
+	served              []ganesha.ExportInfo
+}
+
+var errBusGone = errors.New("dbus: connection closed")
+
+func (f *flakyGanesha) ApplyExport(context.Context, string, uint16) error {
+	if f.failApply {
+		return errBusGone
+	}
+	return nil
+}
+func (f *flakyGanesha) RemoveExport(context.Context, uint16) error { return f.removeErr }
+func (f *flakyGanesha) Exports(context.Context) ([]ganesha.ExportInfo, error) {
+	if f.failList {
+		return nil, errBusGone
+	}
+	return f.served, nil
+}
+
+// Every failure to tell ganesha something is counted by operation in
+// modeguard_nfs_control_errors_total; "no such export" on removal is not a
+// failure.
+func TestControlErrorsAreCounted(t *testing.T) {
+	ctx := context.Background()
+	m := metrics.New()
+	ctrl, err := nfs.NewController(ctx, nfs.Config{
+		Storage: dirStorage{t.TempDir()}, ExportDir: t.TempDir(), Server: "127.0.0.1",
+		ControlFailed: m.NFSControlFailed,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.SetSources(metrics.Sources{Controllers: map[accessmode.Backend]backend.Controller{accessmode.BackendNFS: ctrl}})
+	count := func(op string) float64 {
+		t.Helper()
+		families, err := m.Registry().Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range families {
+			if f.GetName() != "modeguard_nfs_control_errors_total" {
+				continue
+			}
+			for _, s := range f.GetMetric() {
+				if l := s.GetLabel(); len(l) == 1 && l[0].GetValue() == op {
+					return s.GetCounter().GetValue()
+				}
+			}
+		}
+		t.Fatalf("no modeguard_nfs_control_errors_total{operation=%q}", op)
+		return 0
+	}
+	for _, op := range []string{nfs.OpApplyExport, nfs.OpRemoveExport, nfs.OpExports} {
+		if c := count(op); c != 0 {
+			t.Fatalf("%s errors = %v before any call", op, c)
+		}
+	}
+
+	g := &flakyGanesha{failList: true}
+	if err := ctrl.Start(ctx, g); err == nil {
+		t.Fatal("Start succeeded although ganesha could not list its exports")
+	}
+	g = &flakyGanesha{served: []ganesha.ExportInfo{{ID: 77, Path: "/stale"}}, removeErr: errBusGone}
+	if err := ctrl.Start(ctx, g); err == nil {
+		t.Fatal("Start succeeded although a stale export could not be removed")
+	}
+	if count(nfs.OpExports) != 1 || count(nfs.OpRemoveExport) != 1 {
+		t.Fatalf("after two failed starts: Exports %v, RemoveExport %v, want 1 and 1", count(nfs.OpExports), count(nfs.OpRemoveExport))
+	}
+	g = &flakyGanesha{}
+	if err := ctrl.Start(ctx, g); err != nil {
+		t.Fatal(err)
+	}
+
+	id, err := volumeid.New(accessmode.BackendNFS, "", volumeid.Volume, volumeid.KeyFor("test", volumeid.Volume, "v"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.failApply = true
+	_, err = ctrl.CreateVolume(ctx, backend.VolumeSpec{
+		ID: id, Name: "v", CapacityBytes: 1 << 20, AccessType: accessmode.Mount,
+		Modes: []accessmode.Mode{accessmode.MultiNodeMultiWriter},
+	})
+	if status.Code(err) != codes.Unavailable {
+		t.Fatalf("CreateVolume with ganesha refusing: %v, want UNAVAILABLE", err)
+	}
+	if c := count(nfs.OpApplyExport); c != 1 {
+		t.Errorf("ApplyExport errors = %v, want 1", c)
+	}
+
+	// Ganesha no longer knows the export: removal is done, not failed.
+	g.removeErr = &ganesha.Error{Method: "RemoveExport", Name: "org.freedesktop.DBus.Error.InvalidArgs", Message: "Export id not found"}
+	if err := ctrl.DeleteVolume(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	if c := count(nfs.OpRemoveExport); c != 1 {
+		t.Errorf("RemoveExport errors = %v after a not-found removal, want still 1", c)
+	}
+}
