@@ -23,20 +23,7 @@ import (
 // RWOP claim is stuck; one `modeguard inspect` says who holds the volume,
 // where, and why the new publish is refused.
 func TestInspectExplainsAStuckPod(t *testing.T) {
-	testenv.RequireRoot(t)
-	bin := testenv.BuildBinary(t)
-	work := testenv.Tmpfs(t, "256m")
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	cluster, err := localcluster.Start(ctx, bin, work, localcluster.DefaultNodes, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if forced := cluster.Stop(); len(forced) > 0 {
-			t.Errorf("cleanup had to force: %v", forced)
-		}
-	})
+	ctx, bin, work, cluster := startLocalCluster(t, "256m")
 	ctrl := cluster.Stories.Controller
 	node := cluster.Stories.Nodes[0].Client // node-a1
 	info, err := node.NodeGetInfo(ctx, &csi.NodeGetInfoRequest{})
@@ -133,4 +120,26 @@ func TestInspectExplainsAStuckPod(t *testing.T) {
 	if _, err := ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// startLocalCluster runs a controller and the three default node plugins
+// of the race-built binary on a tmpfs of the given size, stopped and
+// checked for leftovers when the test ends.
+func startLocalCluster(t *testing.T, tmpfsSize string) (context.Context, string, string, *localcluster.Cluster) {
+	t.Helper()
+	testenv.RequireRoot(t)
+	bin := testenv.BuildBinary(t)
+	work := testenv.Tmpfs(t, tmpfsSize)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	t.Cleanup(cancel)
+	cluster, err := localcluster.Start(ctx, bin, work, localcluster.DefaultNodes, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if forced := cluster.Stop(); len(forced) > 0 {
+			t.Errorf("cleanup had to force: %v", forced)
+		}
+	})
+	return ctx, bin, work, cluster
 }

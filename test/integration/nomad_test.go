@@ -1,22 +1,18 @@
 package integration
 
 import (
-	"context"
 	"os"
 	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
-	"github.com/modeguard/modeguard/pkg/localcluster"
-	"github.com/modeguard/modeguard/test/testenv"
 )
 
 // nomadVolume is what the test reads from a Nomad volume specification.
@@ -94,20 +90,7 @@ func readNomadVolume(t *testing.T, file string) *nomadVolume {
 // TestNomadExample makes, for the volumes and jobs in docs/nomad, the CSI
 // calls Nomad makes, against a controller and node plugins.
 func TestNomadExample(t *testing.T) {
-	testenv.RequireRoot(t)
-	bin := testenv.BuildBinary(t)
-	work := testenv.Tmpfs(t, "384m")
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	cluster, err := localcluster.Start(ctx, bin, work, localcluster.DefaultNodes, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if forced := cluster.Stop(); len(forced) > 0 {
-			t.Errorf("cleanup had to force: %v", forced)
-		}
-	})
+	ctx, _, work, cluster := startLocalCluster(t, "384m")
 	ctrl := cluster.Stories.Controller
 	nodeIDs := map[string]string{}
 	nodes := map[string]csi.NodeClient{}

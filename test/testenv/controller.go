@@ -130,3 +130,25 @@ func ReadFile(p string) string {
 	data, _ := os.ReadFile(p)
 	return string(data)
 }
+
+// StartNFSController runs a controller with the NFS backend (its own
+// ganesha, storage under a temp dir) inside the network namespace netns,
+// serving NFS from server, and registers its stop and the cleanup of what
+// it leaves: the common start of every NFS test that needs the binary.
+func StartNFSController(ctx context.Context, t testing.TB, bin, netns, server string, extra ...string) *Controller {
+	t.Helper()
+	work := t.TempDir()
+	args := append([]string{"--roles", "controller", "-v", "2",
+		"--nfs-export-root", filepath.Join(work, "nfs"), "--nfs-server", server,
+		"--nfs-ganesha-dir", filepath.Join(work, "ganesha")}, extra...)
+	ctrl := NewController(t, bin, netns, work, args...)
+	ctrl.Start(ctx)
+	t.Cleanup(func() {
+		ctrl.Stop()
+		CleanupUnder(t, work)
+		if t.Failed() {
+			t.Logf("controller log:\n%s", ReadFile(ctrl.Log))
+		}
+	})
+	return ctrl
+}

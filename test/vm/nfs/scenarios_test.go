@@ -41,18 +41,7 @@ func setup(t *testing.T, vms int) *env {
 	c := vmtest.Start(t, vmtest.Options{VMs: vms, Binary: bin})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	t.Cleanup(cancel)
-	work := t.TempDir()
-	ctrl := testenv.NewController(t, bin, c.ServerNS, work, "--roles", "controller", "-v", "2",
-		"--nfs-export-root", filepath.Join(work, "nfs"), "--nfs-server", c.Server.String(),
-		"--nfs-ganesha-dir", filepath.Join(work, "ganesha"), "--max-volumes-per-node", "8")
-	ctrl.Start(ctx)
-	t.Cleanup(func() {
-		ctrl.Stop()
-		testenv.CleanupUnder(t, work)
-		if t.Failed() {
-			t.Logf("controller log:\n%s", testenv.ReadFile(ctrl.Log))
-		}
-	})
+	ctrl := testenv.StartNFSController(ctx, t, bin, c.ServerNS, c.Server.String(), "--max-volumes-per-node", "8")
 	e := &env{t: t, ctx: ctx, c: c, ctrl: ctrl, nodes: map[string]csi.NodeClient{}}
 	for _, vm := range c.VMs {
 		if err := vm.StartPlugin(ctx, "--max-volumes-per-node", "8"); err != nil {

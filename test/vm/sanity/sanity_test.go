@@ -6,7 +6,6 @@ package sanity
 import (
 	"context"
 	"fmt"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -26,18 +25,11 @@ func TestSanityNFSKernelClientInVM(t *testing.T) {
 	vm := c.VMs[0]
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
-	work := t.TempDir()
 	// The attach limit is small so that its spec stays quick: each NFS
 	// volume here is an xfs image of at least 300 MiB.
-	ctrl := testenv.NewController(t, bin, c.ServerNS, work, "--roles", "controller", "-v", "2",
-		"--nfs-export-root", filepath.Join(work, "nfs"), "--nfs-server", c.Server.String(),
-		"--nfs-ganesha-dir", filepath.Join(work, "ganesha"), "--max-volumes-per-node", "3")
-	ctrl.Start(ctx)
+	ctrl := testenv.StartNFSController(ctx, t, bin, c.ServerNS, c.Server.String(), "--max-volumes-per-node", "3")
 	t.Cleanup(func() {
-		ctrl.Stop()
-		testenv.CleanupUnder(t, work)
 		if t.Failed() {
-			t.Logf("controller log:\n%s", testenv.ReadFile(ctrl.Log))
 			if log, err := vm.PluginLog(context.Background()); err == nil {
 				t.Logf("node plugin log:\n%s", log)
 			}

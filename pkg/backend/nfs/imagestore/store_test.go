@@ -1,9 +1,10 @@
 package imagestore
 
 import (
+	"github.com/modeguard/modeguard/test/testfiles"
+
 	"bytes"
 	"context"
-	"crypto/rand"
 	"crypto/sha256"
 	"errors"
 	"fmt"
@@ -96,49 +97,6 @@ func checkNothingLeft(t *testing.T, root string) {
 			}
 		}
 	}
-}
-
-// write appends up to n bytes of random data to path, 1 MiB at a time, and
-// returns how many landed with the error that stopped it. The file is
-// synced and closed before it returns, so delayed allocation failures are
-// seen too.
-func write(t *testing.T, path string, n int64) (int64, error) {
-	t.Helper()
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
-	if err != nil {
-		t.Fatal(err)
-	}
-	buf := make([]byte, MiB)
-	var written int64
-	var werr error
-	for written < n {
-		chunk := buf[:min(int64(len(buf)), n-written)]
-		if _, err := rand.Read(chunk); err != nil {
-			t.Fatal(err)
-		}
-		k, err := f.Write(chunk)
-		written += int64(k)
-		if err != nil {
-			werr = err
-			break
-		}
-	}
-	if err := f.Sync(); err != nil && werr == nil {
-		werr = err
-	}
-	if err := f.Close(); err != nil && werr == nil {
-		werr = err
-	}
-	return written, werr
-}
-
-func statfs(t *testing.T, path string) (total, used int64) {
-	t.Helper()
-	var st unix.Statfs_t
-	if err := unix.Statfs(path, &st); err != nil {
-		t.Fatal(err)
-	}
-	return int64(st.Blocks) * st.Bsize, int64(st.Blocks-st.Bfree) * st.Bsize
 }
 
 // mountAt is the mount visible at path, or nil.
@@ -299,7 +257,7 @@ func TestCreateEnforcesSize(t *testing.T) {
 	if st, err := os.Stat(mnt); err != nil || st.Mode().Perm() != RootDirMode {
 		t.Errorf("filesystem root mode %v %v, want %v", st.Mode(), err, RootDirMode)
 	}
-	total, _ := statfs(t, mnt)
+	total, _ := testfiles.Statfs(t, mnt)
 	if total > 300*MiB || total < 200*MiB {
 		t.Errorf("statfs total %d", total)
 	}
@@ -309,7 +267,7 @@ func TestCreateEnforcesSize(t *testing.T) {
 	}
 
 	// 320 MiB do not fit.
-	n, err := write(t, filepath.Join(mnt, "big"), 320*MiB)
+	n, err := testfiles.WriteFile(t, filepath.Join(mnt, "big"), 320*MiB)
 	if !errors.Is(err, syscall.ENOSPC) {
 		t.Fatalf("wrote %d bytes into a 300 MiB volume: %v", n, err)
 	}
@@ -367,7 +325,7 @@ func TestBigImageIsSparse(t *testing.T) {
 	if alloc > size/32 {
 		t.Errorf("image is not sparse: %d of %d bytes allocated", alloc, size)
 	}
-	if total, _ := statfs(t, s.mountPath(rel)); total > 8<<30 {
+	if total, _ := testfiles.Statfs(t, s.mountPath(rel)); total > 8<<30 {
 		t.Errorf("statfs total %d", total)
 	}
 }
@@ -381,14 +339,14 @@ func TestGrowOnline(t *testing.T) {
 	}
 	mnt := s.mountPath(rel)
 	m := checkMounted(t, s, rel)
-	before, _ := statfs(t, mnt)
-	if n, err := write(t, filepath.Join(mnt, "a"), 400*MiB); !errors.Is(err, syscall.ENOSPC) {
+	before, _ := testfiles.Statfs(t, mnt)
+	if n, err := testfiles.WriteFile(t, filepath.Join(mnt, "a"), 400*MiB); !errors.Is(err, syscall.ENOSPC) {
 		t.Fatalf("filling: wrote %d, %v", n, err)
 	}
 	if err := os.Remove(filepath.Join(mnt, "a")); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := write(t, filepath.Join(mnt, "a"), 200*MiB); err != nil {
+	if _, err := testfiles.WriteFile(t, filepath.Join(mnt, "a"), 200*MiB); err != nil {
 		t.Fatal(err)
 	}
 	// A file open for writing all along: growing is online.
@@ -404,7 +362,7 @@ func TestGrowOnline(t *testing.T) {
 	if err := s.Grow(ctx, rel, 400*MiB); err != nil {
 		t.Fatal(err)
 	}
-	after, _ := statfs(t, mnt)
+	after, _ := testfiles.Statfs(t, mnt)
 	if after-before != 100*MiB {
 		t.Errorf("statfs total %d before, %d after growing by 100 MiB", before, after)
 	}
@@ -420,7 +378,7 @@ func TestGrowOnline(t *testing.T) {
 	if err := f.Close(); err != nil {
 		t.Error(err)
 	}
-	if n, err := write(t, filepath.Join(mnt, "b"), 90*MiB); err != nil {
+	if n, err := testfiles.WriteFile(t, filepath.Join(mnt, "b"), 90*MiB); err != nil {
 		t.Errorf("after growing by 100 MiB, 90 MiB more did not fit: wrote %d, %v", n, err)
 	}
 	if _, total, err := s.Usage(ctx, rel); err != nil || total != after {
@@ -432,7 +390,7 @@ func TestGrowOnline(t *testing.T) {
 		if err := s.Grow(ctx, rel, limit); err != nil {
 			t.Errorf("Grow to %d: %v", limit, err)
 		}
-		if total, _ := statfs(t, mnt); total != after {
+		if total, _ := testfiles.Statfs(t, mnt); total != after {
 			t.Errorf("Grow to %d changed the size to %d", limit, total)
 		}
 	}
@@ -459,7 +417,7 @@ func TestCopy(t *testing.T) {
 		t.Fatal(err)
 	}
 	srcMnt := s.mountPath(src)
-	if _, err := write(t, filepath.Join(srcMnt, "data"), 20*MiB); err != nil {
+	if _, err := testfiles.WriteFile(t, filepath.Join(srcMnt, "data"), 20*MiB); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.MkdirAll(filepath.Join(srcMnt, "sub/deeper"), 0o750); err != nil {
@@ -489,7 +447,7 @@ func TestCopy(t *testing.T) {
 		t.Errorf("copy image: %d bytes, %d allocated", size, alloc)
 	}
 	// Independent: writing to either changes only that one.
-	if _, err := write(t, filepath.Join(dstMnt, "data"), MiB); err != nil {
+	if _, err := testfiles.WriteFile(t, filepath.Join(dstMnt, "data"), MiB); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.WriteFile(filepath.Join(dstMnt, "new"), []byte("copy only"), 0o644); err != nil {
@@ -513,8 +471,8 @@ func TestCopy(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkMounted(t, s, big)
-	srcTotal, _ := statfs(t, dstMnt)
-	if total, _ := statfs(t, s.mountPath(big)); total != srcTotal+100*MiB {
+	srcTotal, _ := testfiles.Statfs(t, dstMnt)
+	if total, _ := testfiles.Statfs(t, s.mountPath(big)); total != srcTotal+100*MiB {
 		t.Errorf("copy grown to 400 MiB has %d bytes, its 300 MiB source %d", total, srcTotal)
 	}
 	if b, _ := os.ReadFile(filepath.Join(s.mountPath(big), "new")); string(b) != "copy only" {
@@ -698,7 +656,7 @@ func TestRemove(t *testing.T) {
 		t.Fatal(err)
 	}
 	mnt := s.mountPath(rel)
-	if _, err := write(t, filepath.Join(mnt, "f"), 10*MiB); err != nil {
+	if _, err := testfiles.WriteFile(t, filepath.Join(mnt, "f"), 10*MiB); err != nil {
 		t.Fatal(err)
 	}
 	// In use: refused, and everything stays.

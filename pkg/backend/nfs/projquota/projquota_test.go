@@ -1,9 +1,10 @@
 package projquota
 
 import (
+	"github.com/modeguard/modeguard/test/testfiles"
+
 	"bytes"
 	"context"
-	"crypto/rand"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -186,50 +187,6 @@ func isQuotaError(err error) bool {
 	return errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT)
 }
 
-// write appends up to n bytes of random data to path, 1 MiB at a time, and
-// returns how many landed with the error that stopped it. The file is
-// synced and closed before it returns.
-func write(t *testing.T, path string, n int64) (int64, error) {
-	t.Helper()
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
-	if err != nil {
-		t.Fatal(err)
-	}
-	buf := make([]byte, MiB)
-	var written int64
-	var werr error
-	for written < n {
-		chunk := buf[:min(int64(len(buf)), n-written)]
-		if _, err := rand.Read(chunk); err != nil {
-			t.Fatal(err)
-		}
-		k, err := f.Write(chunk)
-		written += int64(k)
-		if err != nil {
-			werr = err
-			break
-		}
-	}
-	if err := f.Sync(); err != nil && werr == nil {
-		werr = err
-	}
-	if err := f.Close(); err != nil && werr == nil {
-		werr = err
-	}
-	return written, werr
-}
-
-// dirSize is what statfs of a directory reports as total and used bytes:
-// on xfs, for a project-inherit directory, the project's limit and usage.
-func dirSize(t *testing.T, path string) (total, used int64) {
-	t.Helper()
-	var st unix.Statfs_t
-	if err := unix.Statfs(path, &st); err != nil {
-		t.Fatal(err)
-	}
-	return int64(st.Blocks) * st.Bsize, int64(st.Blocks-st.Bfree) * st.Bsize
-}
-
 func usage(t *testing.T, p *Pool, id uint32) (used, limit int64) {
 	t.Helper()
 	used, limit, err := p.Usage(context.Background(), id)
@@ -260,7 +217,7 @@ func TestCreateDirLimitAndGrow(t *testing.T) {
 	if got, inherit, err := projectOf(dir); err != nil || got != id || !inherit {
 		t.Errorf("project %d inherit %v (%v), want %d with inherit", got, inherit, err, id)
 	}
-	if total, _ := dirSize(t, dir); total != 20*MiB {
+	if total, _ := testfiles.Statfs(t, dir); total != 20*MiB {
 		t.Errorf("statfs of the directory: total %d, want %d", total, 20*MiB)
 	}
 	if _, limit := usage(t, p, id); limit != 20*MiB {
@@ -268,7 +225,7 @@ func TestCreateDirLimitAndGrow(t *testing.T) {
 	}
 
 	file := filepath.Join(dir, "data")
-	written, err := write(t, file, 30*MiB)
+	written, err := testfiles.WriteFile(t, file, 30*MiB)
 	if !isQuotaError(err) {
 		t.Fatalf("writing 30 MiB into a 20 MiB directory: wrote %d, error %v; want ENOSPC/EDQUOT", written, err)
 	}
@@ -280,7 +237,7 @@ func TestCreateDirLimitAndGrow(t *testing.T) {
 	if !near(used, written, 64*1024) {
 		t.Errorf("Usage %d after writing %d", used, written)
 	}
-	if _, dused := dirSize(t, dir); dused != used {
+	if _, dused := testfiles.Statfs(t, dir); dused != used {
 		t.Errorf("statfs used %d, Usage %d", dused, used)
 	}
 	if free, err := p.Free(); err != nil || free < 900*MiB {
@@ -294,16 +251,16 @@ func TestCreateDirLimitAndGrow(t *testing.T) {
 	if err := p.SetLimit(ctx, id, 40*MiB); err != nil {
 		t.Fatal(err)
 	}
-	if total, _ := dirSize(t, dir); total != 40*MiB {
+	if total, _ := testfiles.Statfs(t, dir); total != 40*MiB {
 		t.Errorf("statfs after SetLimit: total %d, want %d", total, 40*MiB)
 	}
 	if _, limit := usage(t, p, id); limit != 40*MiB {
 		t.Errorf("Usage limit after SetLimit %d", limit)
 	}
-	if n, err := write(t, filepath.Join(dir, "more"), 10*MiB); err != nil {
+	if n, err := testfiles.WriteFile(t, filepath.Join(dir, "more"), 10*MiB); err != nil {
 		t.Fatalf("writing 10 MiB after growing: %d bytes, %v", n, err)
 	}
-	n, err := write(t, filepath.Join(dir, "more"), 30*MiB)
+	n, err := testfiles.WriteFile(t, filepath.Join(dir, "more"), 30*MiB)
 	if !isQuotaError(err) {
 		t.Fatalf("writing past the new limit: %d bytes, %v", n, err)
 	}
@@ -343,18 +300,18 @@ func TestProjectsAreIndependent(t *testing.T) {
 		}
 	}
 	a, b := filepath.Join(p.Root(), "volumes/a"), filepath.Join(p.Root(), "volumes/b")
-	wa, err := write(t, filepath.Join(a, "f"), 30*MiB)
+	wa, err := testfiles.WriteFile(t, filepath.Join(a, "f"), 30*MiB)
 	if !isQuotaError(err) {
 		t.Fatalf("a: wrote %d, %v", wa, err)
 	}
-	if n, err := write(t, filepath.Join(b, "f"), 10*MiB); err != nil {
+	if n, err := testfiles.WriteFile(t, filepath.Join(b, "f"), 10*MiB); err != nil {
 		t.Fatalf("b is full because a is: wrote %d, %v", n, err)
 	}
 	// A subdirectory inherits the project.
 	if err := os.Mkdir(filepath.Join(b, "sub"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	wb, err := write(t, filepath.Join(b, "sub", "g"), 30*MiB)
+	wb, err := testfiles.WriteFile(t, filepath.Join(b, "sub", "g"), 30*MiB)
 	if !isQuotaError(err) {
 		t.Fatalf("b/sub: wrote %d, %v", wb, err)
 	}
@@ -367,7 +324,7 @@ func TestProjectsAreIndependent(t *testing.T) {
 		t.Errorf("Usage a %d (wrote %d), b %d (wrote %d)", usedA, wa, usedB, 10*MiB+wb)
 	}
 	for _, d := range []string{a, b} {
-		if total, _ := dirSize(t, d); total != 20*MiB {
+		if total, _ := testfiles.Statfs(t, d); total != 20*MiB {
 			t.Errorf("statfs %s: %d", d, total)
 		}
 	}
@@ -419,7 +376,7 @@ func TestCopyTree(t *testing.T) {
 		t.Fatal(err)
 	}
 	src := filepath.Join(p.Root(), "volumes/src")
-	if _, err := write(t, filepath.Join(src, "big"), 8*MiB); err != nil {
+	if _, err := testfiles.WriteFile(t, filepath.Join(src, "big"), 8*MiB); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.MkdirAll(filepath.Join(src, "sub/deeper"), 0o750); err != nil {
@@ -483,16 +440,16 @@ func TestCopyTree(t *testing.T) {
 	if copyLimit != 40*MiB || copyUsed < 8*MiB {
 		t.Errorf("copy's project: used %d limit %d; its 8 MiB must count against it even when shared", copyUsed, copyLimit)
 	}
-	if total, _ := dirSize(t, dst); total != 40*MiB {
+	if total, _ := testfiles.Statfs(t, dst); total != 40*MiB {
 		t.Errorf("statfs of the copy: %d", total)
 	}
 
 	// Writes into the copy count against the copy's project only, and the
 	// source never changes.
-	if _, err := write(t, filepath.Join(dst, "big"), 5*MiB); err != nil {
+	if _, err := testfiles.WriteFile(t, filepath.Join(dst, "big"), 5*MiB); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := write(t, filepath.Join(dst, "new"), 5*MiB); err != nil {
+	if _, err := testfiles.WriteFile(t, filepath.Join(dst, "new"), 5*MiB); err != nil {
 		t.Fatal(err)
 	}
 	if used, _ := usage(t, p, dstID); !near(used, copyUsed+10*MiB, 256*1024) {
@@ -533,7 +490,7 @@ func TestCopyTree(t *testing.T) {
 	if err := p.CreateDir(ctx, "volumes/full", 305, 6*MiB); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := write(t, filepath.Join(p.Root(), "volumes/full/f"), 10*MiB); !isQuotaError(err) {
+	if _, err := testfiles.WriteFile(t, filepath.Join(p.Root(), "volumes/full/f"), 10*MiB); !isQuotaError(err) {
 		t.Fatalf("filling: %v", err)
 	}
 	if err := p.CopyTree(ctx, "volumes/full", "snapshots/full", 306, 3*MiB); err == nil {
@@ -574,7 +531,7 @@ func TestRemoveDir(t *testing.T) {
 	if err := os.MkdirAll(filepath.Join(dir, "a/b/c"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := write(t, filepath.Join(dir, "a/b/c/f"), 5*MiB); err != nil {
+	if _, err := testfiles.WriteFile(t, filepath.Join(dir, "a/b/c/f"), 5*MiB); err != nil {
 		t.Fatal(err)
 	}
 	if used, _ := usage(t, p, id); used < 5*MiB {
@@ -705,7 +662,7 @@ func TestPrepareIsIdempotent(t *testing.T) {
 	if _, limit := usage(t, p4, 501); limit != 10*MiB {
 		t.Errorf("limit after remount %d", limit)
 	}
-	if total, _ := dirSize(t, filepath.Join(p4.Root(), "volumes/keep")); total != 10*MiB {
+	if total, _ := testfiles.Statfs(t, filepath.Join(p4.Root(), "volumes/keep")); total != 10*MiB {
 		t.Errorf("statfs after remount %d", total)
 	}
 	if id, inherit, err := projectOf(filepath.Join(p4.Root(), "volumes/keep")); err != nil || id != 501 || !inherit {

@@ -1,0 +1,55 @@
+// Package testfiles has file helpers for storage tests: filling a
+// filesystem up to its limit and reading its size. It imports nothing of
+// the project, so any package's tests can use it.
+package testfiles
+
+import (
+	"crypto/rand"
+	"os"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// WriteFile appends up to n bytes of random data to path, 1 MiB at a time,
+// and returns how many landed with the error that stopped it (ENOSPC when a
+// size limit is reached). The file is synced and closed before it returns.
+func WriteFile(t testing.TB, path string, n int64) (int64, error) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 1<<20)
+	var written int64
+	var werr error
+	for written < n {
+		chunk := buf[:min(int64(len(buf)), n-written)]
+		if _, err := rand.Read(chunk); err != nil {
+			t.Fatal(err)
+		}
+		k, err := f.Write(chunk)
+		written += int64(k)
+		if err != nil {
+			werr = err
+			break
+		}
+	}
+	if err := f.Sync(); err != nil && werr == nil {
+		werr = err
+	}
+	if err := f.Close(); err != nil && werr == nil {
+		werr = err
+	}
+	return written, werr
+}
+
+// Statfs is what statfs reports for path as total and used bytes.
+func Statfs(t testing.TB, path string) (total, used int64) {
+	t.Helper()
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil {
+		t.Fatal(err)
+	}
+	return int64(st.Blocks) * st.Bsize, int64(st.Blocks-st.Bfree) * st.Bsize
+}
