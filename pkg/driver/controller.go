@@ -1112,6 +1112,7 @@ func (s *controllerServer) DeleteSnapshot(ctx context.Context, req *csi.DeleteSn
 	if err := ctrl.DeleteSnapshot(ctx, id); err != nil {
 		return nil, err
 	}
+	klog.InfoS("Snapshot deleted", "snapshotID", id)
 	return &csi.DeleteSnapshotResponse{}, nil
 }
 

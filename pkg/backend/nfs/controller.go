@@ -373,6 +373,7 @@ func (c *Controller) applyExport(ctx context.Context, rec *volumeRecord) error {
 		c.controlFailed(OpApplyExport)
 		return status.Errorf(codes.Unavailable, "ganesha refused the export of %s: %v", rec.Volume.ID, err)
 	}
+	klog.V(2).InfoS("Export served", "volumeID", rec.Volume.ID, "exportID", rec.ExportID, "clients", clientList(rec))
 	return nil
 }
 
@@ -811,4 +812,24 @@ func (c *Controller) ClientList(id volumeid.ID) ([]ganesha.ClientRule, error) {
 		return nil, err
 	}
 	return e.Clients, nil
+}
+
+// clientList is the export's clients as a log value: "10.0.0.11 RW, ...".
+func clientList(rec *volumeRecord) string {
+	var out []string
+	for _, a := range rec.Volume.Attachments {
+		n, err := nodeid.Parse(a.NodeID)
+		if err != nil {
+			continue
+		}
+		access := "RW"
+		if a.ReadOnly {
+			access = "RO"
+		}
+		out = append(out, n.Address+" "+access)
+	}
+	if len(out) == 0 {
+		return "none"
+	}
+	return strings.Join(out, ", ")
 }
