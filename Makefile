@@ -5,12 +5,24 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 GOTEST_FLAGS ?= -race -count=1
 
-.PHONY: all build demo test test-vm test-unit test-integration test-sanity vet fmt-check clean
+.PHONY: all build image demo test test-vm test-unit test-integration test-sanity vet fmt-check clean
 
 all: build
 
 build: ## build bin/modeguard
 	CGO_ENABLED=0 $(GO) build -ldflags '$(LDFLAGS)' -o bin/modeguard ./cmd/modeguard
+
+# The image the deploy manifests run (modeguard:dev), built from the
+# Dockerfile: with docker where a daemon answers, else with buildah.
+IMAGE ?= modeguard:dev
+image:
+	@if docker info >/dev/null 2>&1; then \
+		docker build --build-arg VERSION=$(VERSION) -t $(IMAGE) . ; \
+	elif command -v buildah >/dev/null 2>&1; then \
+		buildah bud --build-arg VERSION=$(VERSION) -t $(IMAGE) . ; \
+	else \
+		echo "make image: needs a docker daemon or buildah (Debian package buildah)"; exit 1; \
+	fi
 
 demo: build ## a controller and three node plugins in two zones, walked through the stories
 	./bin/modeguard demo
