@@ -22,6 +22,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
 	"github.com/modeguard/modeguard/pkg/driver"
+	"github.com/modeguard/modeguard/pkg/registration"
 	"github.com/modeguard/modeguard/pkg/metrics"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
@@ -72,6 +73,9 @@ type options struct {
 	metricsAddr string
 	showVersion bool
 	nfs         nfs.Options
+	// Registration with the kubelet, for nodes without node-driver-registrar.
+	kubeletRegistrationDir  string
+	kubeletRegistrationPath string
 }
 
 // byteSize is a flag holding bytes, written plainly or with a binary suffix
@@ -132,6 +136,10 @@ func parseFlags(args []string) (*options, error) {
 		"controller: where export files go; required with --nfs-ganesha-dbus (that ganesha must include it with %dir), default <nfs-ganesha-dir>/exports")
 	fs.StringVar(&o.metricsAddr, "metrics-address", "",
 		"where to serve Prometheus metrics over HTTP at "+metrics.Path+", host:port (e.g. 127.0.0.1:9808 or :9808); off when empty")
+	fs.StringVar(&o.kubeletRegistrationDir, "kubelet-registration-dir", "",
+		"node: register with the kubelet by serving its plugin registration API in this directory (its plugins_registry, e.g. /var/lib/kubelet/plugins_registry); off by default, for nodes without node-driver-registrar")
+	fs.StringVar(&o.kubeletRegistrationPath, "kubelet-registration-path", "",
+		"node: the CSI socket's path as the kubelet sees it (default: the --endpoint socket path)")
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
 	klog.InitFlags(klogFlags)
@@ -223,6 +231,17 @@ func run(o *options) error {
 	lis, err := driver.Listen(o.endpoint)
 	if err != nil {
 		return err
+	}
+	if d.HasRole(driver.RoleNode) && o.kubeletRegistrationDir != "" {
+		path := o.kubeletRegistrationPath
+		if path == "" {
+			path = strings.TrimPrefix(o.endpoint, "unix://")
+		}
+		stopRegistration, err := registration.Serve(o.kubeletRegistrationDir, o.driverName, path)
+		if err != nil {
+			return err
+		}
+		defer stopRegistration()
 	}
 	srv := d.NewGRPCServer()
 	if cfg.Metrics != nil {
