@@ -22,8 +22,8 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
 	"github.com/modeguard/modeguard/pkg/driver"
-	"github.com/modeguard/modeguard/pkg/registration"
 	"github.com/modeguard/modeguard/pkg/metrics"
+	"github.com/modeguard/modeguard/pkg/registration"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
