@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Stops what hack/local-cluster/up.sh started, by the PIDs in _build/cluster/pids (SIGTERM,
+# then SIGKILL after a bounded wait): kubelet, pod processes (found under the containerd shims
+# that name OUR containerd socket), containerd, control plane, etcd. Then unmounts everything
+# under _build/cluster (netns bind mounts included), removes the host veths of our CNI plugin,
+# the cgroups made for the kubelet, and restores the host sysctls the kubelet changed.
+# PURGE=1 also deletes _build/cluster (PKI, etcd data, images).
+set -uo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
+BUILD="${BUILD_DIR:-$REPO/_build}"
+C="$BUILD/cluster"
+CGROUP_ROOT=/modeguard-local
+TERM_WAIT="${TERM_WAIT_SECONDS:-10}"
+
+log() { printf '[down %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+# stop_pid NAME PID: TERM, wait up to TERM_WAIT s, then KILL.
+stop_pid() {
+  local name=$1 pid=$2
+  kill -0 "$pid" 2>/dev/null || return 0
+  log "stopping $name (pid $pid)"
+  kill -TERM "$pid" 2>/dev/null
+  local deadline=$(( $(date +%s) + TERM_WAIT ))
+  while kill -0 "$pid" 2>/dev/null; do
+    if (( $(date +%s) >= deadline )); then
+      log "$name (pid $pid) ignored SIGTERM for ${TERM_WAIT}s; SIGKILL"
+      kill -KILL "$pid" 2>/dev/null
+      sleep 0.2
+      break
+    fi
+    sleep 0.1
+  done
+}
+
+# A recorded PID counts only while it still runs one of our binaries (guards against reuse).
+ours() { [[ "$(readlink "/proc/$1/exe" 2>/dev/null)" == "$BUILD/"* ]]; }
+declare -A PID_OF=()
+if [[ -s "$C/pids" ]]; then
+  while read -r name pid; do
+    if ours "$pid"; then PID_OF[$name]=$pid; fi
+  done <"$C/pids"
+fi
+# 1. kubelet, so that it restarts nothing.
+[[ -n "${PID_OF[kubelet]:-}" ]] && stop_pid kubelet "${PID_OF[kubelet]}"
+
+# 2. Pod processes. containerd-shim-runc-v2 processes outlive containerd; ours carry OUR
+# containerd socket path on their command line (that is how they are found, never by program
+# name). Test pods are disposable: their processes get SIGTERM and 1 s, then SIGKILL.
+shims=()
+for d in /proc/[0-9]*; do
+  cmd=$(tr '\0' ' ' 2>/dev/null <"$d/cmdline") || continue
+  if [[ "$cmd" == *containerd-shim-runc-v2* && "$cmd" == *"$C/containerd/containerd.sock"* ]]; then
+    shims+=("${d#/proc/}")
+  fi
+done
+for s in "${shims[@]}"; do
+  for child in $(cat "/proc/$s/task/$s/children" 2>/dev/null); do
+    TERM_WAIT=1 stop_pid "pod process (shim $s)" "$child" &
+  done
+done
+wait
+# 3. containerd and the shims, then the control plane in parallel, etcd last.
+[[ -n "${PID_OF[containerd]:-}" ]] && stop_pid containerd "${PID_OF[containerd]}" &
+for s in "${shims[@]}"; do stop_pid "containerd-shim (pid $s)" "$s" & done
+for n in kube-scheduler kube-controller-manager kube-apiserver; do
+  [[ -n "${PID_OF[$n]:-}" ]] && stop_pid "$n" "${PID_OF[$n]}" &
+done
+wait
+[[ -n "${PID_OF[etcd]:-}" ]] && stop_pid etcd "${PID_OF[etcd]}"
+# anything else recorded (future additions), in reverse order
+if [[ -s "$C/pids" ]]; then
+  tac "$C/pids" | while read -r name pid; do if ours "$pid"; then stop_pid "$name" "$pid"; fi; done
+fi
+
+# Unmount everything below the cluster dir, deepest first (overlay rootfs, netns, volumes).
+if [[ -d "$C" ]]; then
+  for i in 1 2 3; do
+    mapfile -t mnts < <(awk -v p="$C/" 'index($2, p) == 1 {print $2}' /proc/self/mounts | sort -r)
+    ((${#mnts[@]})) || break
+    for m in "${mnts[@]}"; do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || log "cannot unmount $m"; done
+  done
+fi
+
+# Host ends of our CNI veths (named mg<container-id prefix>) and their addresses.
+for l in /sys/class/net/mg*; do
+  [[ -e "$l" ]] || continue
+  n=$(basename "$l")
+  if [[ "$n" =~ ^mg[0-9a-f]{12}$ ]]; then ip link del "$n" 2>/dev/null && log "removed veth $n"; fi
+done
+rm -rf "$C/cni/data/ips" 2>/dev/null
+
+# Cgroups made for the kubelet (only empty ones can go; deepest first).
+for h in /sys/fs/cgroup/*/; do
+  [[ -d "$h${CGROUP_ROOT#/}" ]] || continue
+  find "$h${CGROUP_ROOT#/}" -depth -type d -exec rmdir {} \; 2>/dev/null
+done
+
+# Host sysctls the kubelet changed, back to what up.sh found.
+if [[ -s "$C/sysctl.saved" ]]; then
+  while read -r k v; do echo "$v" >"/proc/sys/$k" 2>/dev/null || log "cannot restore $k"; done <"$C/sysctl.saved"
+  rm -f "$C/sysctl.saved"
+fi
+
+: >"$C/pids" 2>/dev/null
+if [[ "${PURGE:-0}" == 1 ]]; then
+  log "removing $C"
+  rm -rf "$C"
+fi
+log "down"
