@@ -13,13 +13,16 @@ build: ## build bin/modeguard
 	CGO_ENABLED=0 $(GO) build -ldflags '$(LDFLAGS)' -o bin/modeguard ./cmd/modeguard
 
 # The image the deploy manifests run (modeguard:dev), built from the
-# Dockerfile: with docker where a daemon answers, else with buildah.
+# Dockerfile: with docker where a daemon answers, else with buildah (chroot
+# isolation: its default runtime needs cgroup v2; hack/images/base.sh makes
+# the base images locally where no registry is reachable).
 IMAGE ?= modeguard:dev
 image:
 	@if docker info >/dev/null 2>&1; then \
 		docker build --build-arg VERSION=$(VERSION) -t $(IMAGE) . ; \
 	elif command -v buildah >/dev/null 2>&1; then \
-		buildah bud --build-arg VERSION=$(VERSION) -t $(IMAGE) . ; \
+		BUILDAH_ISOLATION=chroot buildah bud --layers --force-rm \
+			--build-arg VERSION=$(VERSION) -t $(IMAGE) . ; \
 	else \
 		echo "make image: needs a docker daemon or buildah (Debian package buildah)"; exit 1; \
 	fi

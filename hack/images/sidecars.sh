@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Builds the CSI sidecars the manifests use from the Go module proxy (no
+# container registry here) and wraps each in an image tagged exactly as
+# deploy/kubernetes/base/controller.yaml names it, exported as a
+# docker-archive under _build/images/.
+#
+# Each sidecar's module is downloaded from the proxy and built as the main
+# module (in a writable copy under _build/images/sidecars/src), so the
+# replace directives of its go.mod apply. Nothing is vendored into the repo.
+#
+# Not on the proxy, so NOT built here: csi-node-driver-registrar and
+# livenessprobe (see hack/images/README.md).
+#
+# Usage: hack/images/sidecars.sh [binaries|images|all]   (default all)
+# Versions can be overridden: PROVISIONER_VERSION=v6.3.0 ATTACHER_VERSION=...
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+OUT=${OUT:-$ROOT/_build/images}
+WORK=$OUT/sidecars
+BASE_IMAGE=${BASE_IMAGE:-debian:bookworm-slim}
+GO=${GO:-go}
+export PATH=/usr/local/go/bin:$PATH
+
+# Built version (from the proxy) per sidecar. The image tag is read from the
+# manifest; where the two differ the script says so.
+PROVISIONER_VERSION=${PROVISIONER_VERSION:-v6.3.0}
+ATTACHER_VERSION=${ATTACHER_VERSION:-v4.12.0}   # v4.13.0 also builds
+RESIZER_VERSION=${RESIZER_VERSION:-v2.3.0}      # manifest's v2.2.1 is not on the proxy (403)
+SNAPSHOTTER_VERSION=${SNAPSHOTTER_VERSION:-v8.6.0}
+
+# name module major-path version
+SIDECARS=(
+  "csi-provisioner github.com/kubernetes-csi/external-provisioner/v6 $PROVISIONER_VERSION"
+  "csi-attacher github.com/kubernetes-csi/external-attacher/v4 $ATTACHER_VERSION"
+  "csi-resizer github.com/kubernetes-csi/external-resizer/v2 $RESIZER_VERSION"
+  "csi-snapshotter github.com/kubernetes-csi/external-snapshotter/v8 $SNAPSHOTTER_VERSION"
+)
+
+log() { printf '[sidecars %s] %s\n' "$(date +%T)" "$*" >&2; }
+
+# The tag the manifests expect for registry.k8s.io/sig-storage/<name>.
+manifest_ref() {
+  local name=$1 ref
+  ref=$(grep -ho "registry.k8s.io/sig-storage/$name:[^\" ]*" \
+    "$ROOT"/deploy/kubernetes/base/controller.yaml "$ROOT"/deploy/kubernetes/base/node/daemonset.yaml | head -1)
+  [[ -n $ref ]] || { echo "no image for $name in the manifests" >&2; return 1; }
+  echo "$ref"
+}
+
+moddir() { # module version -> directory in the module cache (downloads it)
+  GOFLAGS=-mod=mod "$GO" mod download -json "$1@$2" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p'
+}
+
+build_one() {
+  local name=$1 mod=$2 ver=$3 dir src
+  dir=$(moddir "$mod" "$ver")
+  [[ -d $dir ]] || { log "$mod@$ver: not downloadable from the proxy"; return 1; }
+  src=$WORK/src/$name@$ver
+  if [[ ! -f $src/go.mod ]]; then
+    rm -rf "$src"; mkdir -p "$WORK/src"
+    cp -r "$dir" "$src"; chmod -R u+w "$src"
+    # external-snapshotter replaces its client module with ./client, which a
+    # module zip leaves out (it is a module of its own): put the same-version
+    # client module there.
+    if grep -q '=> ./client' "$src/go.mod"; then
+      local cmod cdir
+      cmod=$(sed -n 's/^replace \(.*\) => .\/client$/\1/p' "$src/go.mod")
+      cdir=$(moddir "$cmod" "$ver")
+      [[ -d $cdir ]] || { log "$cmod@$ver not on the proxy"; return 1; }
+      cp -r "$cdir" "$src/client"; chmod -R u+w "$src/client"
+    fi
+  fi
+  log "building $name from $mod@$ver"
+  (cd "$src" && CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false" GOTOOLCHAIN=local \
+     "$GO" build -trimpath -ldflags "-s -w -X main.version=$ver" -o "$WORK/bin/$name" "./cmd/$name")
+  echo "$ver" >"$WORK/bin/$name.version"
+}
+
+binaries() {
+  mkdir -p "$WORK/bin"
+  local s name mod ver rc=0
+  for s in "${SIDECARS[@]}"; do
+    read -r name mod ver <<<"$s"
+    if [[ -x $WORK/bin/$name && $(cat "$WORK/bin/$name.version" 2>/dev/null) == "$ver" ]]; then
+      log "$name $ver: cached"; continue
+    fi
+    build_one "$name" "$mod" "$ver" || { log "FAILED: $name $ver"; rc=1; }
+  done
+  return $rc
+}
+
+images() {
+  command -v buildah >/dev/null || { echo "needs buildah (apt-get install buildah)" >&2; exit 1; }
+  # crun fails on this cgroup-v1 host; chroot isolation needs no runtime.
+  export BUILDAH_ISOLATION=${BUILDAH_ISOLATION:-chroot}
+  buildah inspect --type image "$BASE_IMAGE" >/dev/null 2>&1 ||
+    { echo "base image $BASE_IMAGE missing: run hack/images/base.sh" >&2; exit 1; }
+  local s name mod ver ref tag ctr archive
+  for s in "${SIDECARS[@]}"; do
+    read -r name mod ver <<<"$s"
+    [[ -x $WORK/bin/$name ]] || { log "no binary for $name, skipped"; continue; }
+    ref=$(manifest_ref "$name"); tag=${ref##*:}
+    [[ $tag == "$ver" ]] || log "NOTE: $ref holds $name $ver (the manifest's tag is $tag)"
+    ctr=$(buildah from --pull=never "$BASE_IMAGE")
+    buildah copy --chmod 0755 "$ctr" "$WORK/bin/$name" "/$name" >/dev/null
+    buildah config --cmd '' "$ctr"   # drop the base's bash before setting the entrypoint
+    buildah config --entrypoint "[\"/$name\"]" \
+      --label "org.opencontainers.image.version=$ver" \
+      --label "io.modeguard.built-from=$mod@$ver" "$ctr"
+    buildah commit --rm -q "$ctr" "$ref" >/dev/null
+    archive=$OUT/$name.tar
+    rm -f "$archive"
+    buildah push -q "$ref" "docker-archive:$archive:$ref"
+    log "$ref -> $archive ($(du -h "$archive" | cut -f1))"
+  done
+}
+
+case ${1:-all} in
+  binaries) binaries ;;
+  images) images ;;
+  all) binaries || true; images ;;
+  *) echo "usage: $0 [binaries|images|all]" >&2; exit 2 ;;
+esac
