@@ -14,7 +14,10 @@ RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X main.version=${VERSION}"
 FROM debian:bookworm-slim
 RUN apt-get update \
  && apt-get install -y --no-install-recommends util-linux mount e2fsprogs xfsprogs coreutils \
-      nfs-common nfs-ganesha nfs-ganesha-vfs dbus \
- && rm -rf /var/lib/apt/lists/*
+      nfs-common nfs-ganesha nfs-ganesha-vfs dbus netbase \
+ && rm -rf /var/lib/apt/lists/* \
+ && ln -sf /proc/self/mounts /etc/mtab
+# netbase: mount.nfs4 looks up "tcp" in /etc/protocols. /etc/mtab: ganesha
+# reads the mount table through it to find the filesystems it exports.
 COPY --from=build /out/modeguard /usr/local/bin/modeguard
 ENTRYPOINT ["/usr/local/bin/modeguard"]

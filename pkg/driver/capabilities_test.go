@@ -148,6 +148,10 @@ func TestCompatible(t *testing.T) {
 		{name: "requisite holding the zone", req: func(r *csi.CreateVolumeRequest) {
 			r.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: []*csi.Topology{topo("zone-b"), topo("zone-a")}}
 		}},
+		{name: "a volume without a zone satisfies any requisite", vol: func(v *backend.Volume) { v.Zone = "" },
+			req: func(r *csi.CreateVolumeRequest) {
+				r.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: []*csi.Topology{topo("zone-b")}}
+			}},
 		{name: "preferred elsewhere is only a wish", req: func(r *csi.CreateVolumeRequest) {
 			r.AccessibilityRequirements = &csi.TopologyRequirement{Preferred: []*csi.Topology{topo("zone-b")}}
 		}},

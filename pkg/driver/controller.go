@@ -519,7 +519,9 @@ func compatible(vol *backend.Volume, req *csi.CreateVolumeRequest, caps capabili
 	if (vol.Source == nil) != (src == nil) || (src != nil && *vol.Source != *src) {
 		diffs = append(diffs, "content source differs")
 	}
-	if reqTopo := req.GetAccessibilityRequirements(); reqTopo != nil && len(reqTopo.GetRequisite()) > 0 {
+	// A volume without a zone (NFS) is reachable from every zone, so any
+	// requisite topology holds it.
+	if reqTopo := req.GetAccessibilityRequirements(); vol.Zone != "" && reqTopo != nil && len(reqTopo.GetRequisite()) > 0 {
 		zones, err := candidateZones(&csi.TopologyRequirement{Requisite: reqTopo.GetRequisite()}, []string{vol.Zone})
 		if err == nil && len(zones) == 0 {
 			diffs = append(diffs, fmt.Sprintf("it lives in zone %s, outside the requisite topology", vol.Zone))
