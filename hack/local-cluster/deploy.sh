@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Deploys modeguard onto the cluster of up.sh (deploy/kubernetes/overlays/local) and proves a
+# block volume works: imports _build/images/*.tar into the cluster's containerd, labels node
+# "localhost" zone-a, applies the overlay, waits (bounded) for the controller and node pods,
+# then a PVC of modeguard-block + a pod using it, writes a file in it, prints the result.
+# Needs: root, up.sh running, the archives of hack/images. CLEAN=1: delete the test pod+PVC
+# at the end (so the volume is unpublished and its loop device detached).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
+BUILD="${BUILD_DIR:-$REPO/_build}"
+C="$BUILD/cluster"
+WAIT="${WAIT_SECONDS:-120}"
+NS=modeguard
+TESTNS=default
+export KUBECONFIG="$C/admin.kubeconfig"
+export PATH="$BUILD/k8s/bin:$BUILD/debs/bin:$PATH"
+KUSTOMIZE="${KUSTOMIZE:-$(command -v kustomize || echo "$HOME/go/bin/kustomize")}"
+
+log() { printf '[deploy %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+die() { printf '[deploy %s] ERROR: %s\n' "$(date +%H:%M:%S)" "$*" >&2; exit 1; }
+# On failure: show what there is to see.
+diag() {
+  kubectl get pods -A -o wide || true
+  kubectl -n "$NS" describe pods | tail -40 || true
+  for p in $(kubectl -n "$NS" get pods -o name 2>/dev/null); do
+    kubectl -n "$NS" logs "$p" --all-containers --tail=30 --prefix || true
+  done
+  kubectl -n "$TESTNS" describe pod mg-local-test 2>/dev/null | tail -20 || true
+}
+trap 'rc=$?; if (( rc != 0 )); then diag; fi' EXIT
+
+[[ $EUID -eq 0 ]] || die "must run as root"
+kubectl get node localhost >/dev/null 2>&1 || die "no cluster: run hack/local-cluster/up.sh first"
+[[ -x "$KUSTOMIZE" ]] || die "kustomize not found (set KUSTOMIZE)"
+
+log "importing images"
+for t in "$BUILD"/images/modeguard.tar "$BUILD"/images/csi-*.tar; do
+  ctr -a "$C/containerd/containerd.sock" -n k8s.io images import "$t" >/dev/null || die "import $t"
+done
+
+log "labelling node localhost with zone-a; making the pool and state directories"
+kubectl label node localhost topology.kubernetes.io/zone=zone-a --overwrite >/dev/null
+mkdir -p "$BUILD"/modeguard-local/{pools/zone-a,node,nfs,ganesha}
+
+log "applying deploy/kubernetes/overlays/local"
+# The overlay's host paths assume the repository at /work/main.
+"$KUSTOMIZE" build "$REPO/deploy/kubernetes/overlays/local" | sed "s#/work/main/_build#$BUILD#g" \
+  | kubectl apply -f - >/dev/null
+
+log "waiting for the controller and node pods (<= ${WAIT}s)"
+kubectl -n "$NS" rollout status deployment/modeguard-controller --timeout="${WAIT}s"
+kubectl -n "$NS" rollout status daemonset/modeguard-node --timeout="${WAIT}s"
+kubectl -n "$NS" wait --for=condition=Ready pod -l app.kubernetes.io/name=modeguard --timeout="${WAIT}s"
+deadline=$(( $(date +%s) + WAIT ))
+until kubectl get csinode localhost -o jsonpath='{.spec.drivers[*].name}' 2>/dev/null | grep -q modeguard.csi.dev; do
+  (( $(date +%s) < deadline )) || die "driver not registered in CSINode localhost"
+  sleep 1
+done
+
+log "PVC (modeguard-block) and a pod using it"
+kubectl apply -n "$TESTNS" -f - >/dev/null <<'YAML'
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: mg-local-test
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: modeguard-block
+  resources:
+    requests:
+      storage: 64Mi
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: mg-local-test
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+    - name: app
+      image: localhost/modeguard/busybox:test
+      imagePullPolicy: Never
+      command: [sh, -c, "sleep 3600"]
+      volumeMounts:
+        - name: data
+          mountPath: /data
+  volumes:
+    - name: data
+      persistentVolumeClaim:
+        claimName: mg-local-test
+YAML
+kubectl -n "$TESTNS" wait --for=condition=Ready pod/mg-local-test --timeout="${WAIT}s"
+
+log "writing a file in the volume"
+kubectl -n "$TESTNS" exec mg-local-test -- sh -c 'echo "hello from $(hostname) $(date)" > /data/hello && cat /data/hello && df -h /data && grep " /data " /proc/mounts'
+
+kubectl get pv,pvc,pod -A -o wide
+kubectl get csinode localhost -o yaml
+
+if [[ "${CLEAN:-0}" == 1 ]]; then
+  log "deleting the test pod and claim (and waiting for the PV: DeleteVolume removes the image)"
+  pv=$(kubectl -n "$TESTNS" get pvc mg-local-test -o jsonpath='{.spec.volumeName}')
+  kubectl -n "$TESTNS" delete pod mg-local-test --wait=true --timeout="${WAIT}s"
+  kubectl -n "$TESTNS" delete pvc mg-local-test --wait=true --timeout="${WAIT}s"
+  if [[ -n "$pv" ]]; then kubectl wait --for=delete "pv/$pv" --timeout="${WAIT}s"; fi
+fi
+log "done"
