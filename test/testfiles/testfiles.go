@@ -6,6 +6,7 @@ package testfiles
 import (
 	"crypto/rand"
 	"os"
+	"os/exec"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -52,4 +53,21 @@ func Statfs(t testing.TB, path string) (total, used int64) {
 		t.Fatal(err)
 	}
 	return int64(st.Blocks) * st.Bsize, int64(st.Blocks-st.Bfree) * st.Bsize
+}
+
+// RequireLoopDevices skips the test unless it runs as root with loop devices
+// and the named tools at hand; why says what the test does with them.
+func RequireLoopDevices(t testing.TB, why string, tools ...string) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: " + why)
+	}
+	for _, tool := range tools {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("needs %s (xfsprogs, util-linux, coreutils): %v", tool, err)
+		}
+	}
+	if _, err := os.Stat("/dev/loop-control"); err != nil {
+		t.Skipf("needs loop devices: %v", err)
+	}
 }

@@ -21,6 +21,8 @@
 package main
 
 import (
+	"github.com/modeguard/modeguard/test/vm/agentapi"
+
 	"bytes"
 	"context"
 	"encoding/json"
@@ -38,44 +40,6 @@ import (
 	"time"
 )
 
-type runRequest struct {
-	Name string   `json:"name"`
-	Args []string `json:"args"`
-	Dir  string   `json:"dir,omitempty"`
-	Env  []string `json:"env,omitempty"` // added to the agent's environment
-}
-
-type runResponse struct {
-	Output   []byte `json:"output"`
-	ExitCode int    `json:"exit_code"`
-}
-
-type fileRequest struct {
-	Path string `json:"path"`
-	Data []byte `json:"data,omitempty"`
-	Perm uint32 `json:"perm,omitempty"`
-}
-
-type fileResponse struct {
-	Data  []byte `json:"data,omitempty"`
-	Error string `json:"error,omitempty"`
-	Errno int    `json:"errno,omitempty"`
-}
-
-type pluginRequest struct {
-	Path  string   `json:"path"`
-	Args  []string `json:"args"`
-	Log   string   `json:"log"`   // file the plugin's output is appended to
-	Probe string   `json:"probe"` // host:port that accepts connections once the plugin serves
-}
-
-type pluginResponse struct {
-	Error   string `json:"error,omitempty"`
-	PID     int    `json:"pid,omitempty"`
-	Running bool   `json:"running,omitempty"`
-	Exit    string `json:"exit,omitempty"`
-}
-
 var (
 	name  = flag.String("name", "vm", "this VM's name, for log lines")
 	start = time.Now()
@@ -88,15 +52,15 @@ func main() {
 	log.SetPrefix("agent " + *name + ": ")
 	p := &plugin{}
 	mux := http.NewServeMux()
-	handle(mux, "/ping", func(ctx context.Context, _ *struct{}) (any, error) {
+	handle(mux, agentapi.PathPing, func(ctx context.Context, _ *struct{}) (any, error) {
 		return map[string]any{"name": *name, "uptime_seconds": time.Since(start).Seconds()}, nil
 	})
-	handle(mux, "/run", runCommand)
-	handle(mux, "/write", writeFile)
-	handle(mux, "/read", readFile)
-	handle(mux, "/plugin/start", p.start)
-	handle(mux, "/plugin/kill", p.kill)
-	handle(mux, "/plugin/status", p.status)
+	handle(mux, agentapi.PathRun, runCommand)
+	handle(mux, agentapi.PathWrite, writeFile)
+	handle(mux, agentapi.PathRead, readFile)
+	handle(mux, agentapi.PathPluginStart, p.start)
+	handle(mux, agentapi.PathPluginKill, p.kill)
+	handle(mux, agentapi.PathPluginStatus, p.status)
 	lis, err := net.Listen("tcp", *listen)
 	if err != nil {
 		log.Fatal(err)
@@ -130,7 +94,7 @@ func handle[Req any](mux *http.ServeMux, path string, fn func(context.Context, *
 	})
 }
 
-func runCommand(ctx context.Context, req *runRequest) (any, error) {
+func runCommand(ctx context.Context, req *agentapi.RunRequest) (any, error) {
 	if req.Name == "" {
 		return nil, errors.New("no command")
 	}
@@ -142,7 +106,7 @@ func runCommand(ctx context.Context, req *runRequest) (any, error) {
 	// Children that keep the output open must not hold the answer forever.
 	cmd.WaitDelay = 5 * time.Second
 	err := cmd.Run()
-	resp := &runResponse{}
+	resp := &agentapi.RunResponse{}
 	var exit *exec.ExitError
 	switch {
 	case err == nil:
@@ -165,8 +129,8 @@ func runCommand(ctx context.Context, req *runRequest) (any, error) {
 	return resp, nil
 }
 
-func failure(err error) *fileResponse {
-	r := &fileResponse{Error: err.Error()}
+func failure(err error) *agentapi.FileResponse {
+	r := &agentapi.FileResponse{Error: err.Error()}
 	var errno syscall.Errno
 	if errors.As(err, &errno) {
 		r.Errno = int(errno)
@@ -174,7 +138,7 @@ func failure(err error) *fileResponse {
 	return r
 }
 
-func writeFile(ctx context.Context, req *fileRequest) (any, error) {
+func writeFile(ctx context.Context, req *agentapi.FileRequest) (any, error) {
 	if req.Path == "" {
 		return nil, errors.New("no path")
 	}
@@ -197,10 +161,10 @@ func writeFile(ctx context.Context, req *fileRequest) (any, error) {
 	if err != nil {
 		return failure(err), nil
 	}
-	return &fileResponse{}, nil
+	return &agentapi.FileResponse{}, nil
 }
 
-func readFile(ctx context.Context, req *fileRequest) (any, error) {
+func readFile(ctx context.Context, req *agentapi.FileRequest) (any, error) {
 	if req.Path == "" {
 		return nil, errors.New("no path")
 	}
@@ -208,7 +172,7 @@ func readFile(ctx context.Context, req *fileRequest) (any, error) {
 	if err != nil {
 		return failure(err), nil
 	}
-	return &fileResponse{Data: data}, nil
+	return &agentapi.FileResponse{Data: data}, nil
 }
 
 // plugin supervises the one node plugin process of this VM.
@@ -255,18 +219,18 @@ func (p *plugin) stopLocked(ctx context.Context, grace time.Duration) error {
 	}
 }
 
-func (p *plugin) start(ctx context.Context, req *pluginRequest) (any, error) {
+func (p *plugin) start(ctx context.Context, req *agentapi.PluginRequest) (any, error) {
 	if req.Path == "" || req.Log == "" || req.Probe == "" {
 		return nil, errors.New("path, log and probe are required")
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.stopLocked(ctx, 10*time.Second); err != nil {
-		return &pluginResponse{Error: "stopping the running plugin: " + err.Error()}, nil
+		return &agentapi.PluginResponse{Error: "stopping the running plugin: " + err.Error()}, nil
 	}
 	logFile, err := os.OpenFile(req.Log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
-		return &pluginResponse{Error: err.Error()}, nil
+		return &agentapi.PluginResponse{Error: err.Error()}, nil
 	}
 	fmt.Fprintf(logFile, "=== agent %s: %s starting %s %s\n", *name, time.Now().Format(time.RFC3339Nano), req.Path, strings.Join(req.Args, " "))
 	cmd := exec.Command(req.Path, req.Args...)
@@ -277,7 +241,7 @@ func (p *plugin) start(ctx context.Context, req *pluginRequest) (any, error) {
 	if err := cmd.Start(); err != nil {
 		fmt.Fprintf(logFile, "=== agent %s: cannot start: %v\n", *name, err)
 		logFile.Close()
-		return &pluginResponse{Error: err.Error()}, nil
+		return &agentapi.PluginResponse{Error: err.Error()}, nil
 	}
 	done, exit := make(chan struct{}), new(string)
 	p.cmd, p.done, p.exit = cmd, done, exit
@@ -297,13 +261,13 @@ func (p *plugin) start(ctx context.Context, req *pluginRequest) (any, error) {
 		conn, err := net.DialTimeout("tcp", req.Probe, time.Second)
 		if err == nil {
 			conn.Close()
-			return &pluginResponse{PID: cmd.Process.Pid}, nil
+			return &agentapi.PluginResponse{PID: cmd.Process.Pid}, nil
 		}
 		select {
 		case <-done:
-			return &pluginResponse{Error: fmt.Sprintf("the plugin exited before serving on %s:\n%s", req.Probe, tail(req.Log, 40))}, nil
+			return &agentapi.PluginResponse{Error: fmt.Sprintf("the plugin exited before serving on %s:\n%s", req.Probe, tail(req.Log, 40))}, nil
 		case <-ctx.Done():
-			return &pluginResponse{PID: cmd.Process.Pid, Error: fmt.Sprintf("the plugin does not serve on %s (still running as pid %d): %v:\n%s",
+			return &agentapi.PluginResponse{PID: cmd.Process.Pid, Error: fmt.Sprintf("the plugin does not serve on %s (still running as pid %d): %v:\n%s",
 				req.Probe, cmd.Process.Pid, ctx.Err(), tail(req.Log, 40))}, nil
 		case <-time.After(50 * time.Millisecond):
 		}
@@ -314,15 +278,15 @@ func (p *plugin) kill(ctx context.Context, _ *struct{}) (any, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.stopLocked(ctx, 0); err != nil {
-		return &pluginResponse{Error: err.Error()}, nil
+		return &agentapi.PluginResponse{Error: err.Error()}, nil
 	}
-	return &pluginResponse{}, nil
+	return &agentapi.PluginResponse{}, nil
 }
 
 func (p *plugin) status(ctx context.Context, _ *struct{}) (any, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	r := &pluginResponse{Running: p.running()}
+	r := &agentapi.PluginResponse{Running: p.running()}
 	if p.cmd != nil {
 		r.PID = p.cmd.Process.Pid
 		if !r.Running {

@@ -1,6 +1,8 @@
 package vmtest
 
 import (
+	"github.com/modeguard/modeguard/test/vm/agentapi"
+
 	"bytes"
 	"context"
 	"encoding/json"
@@ -14,45 +16,6 @@ import (
 	"syscall"
 	"time"
 )
-
-// The agent's messages (see test/vm/agent).
-type runRequest struct {
-	Name string   `json:"name"`
-	Args []string `json:"args"`
-	Dir  string   `json:"dir,omitempty"`
-	Env  []string `json:"env,omitempty"`
-}
-
-type runResponse struct {
-	Output   []byte `json:"output"`
-	ExitCode int    `json:"exit_code"`
-}
-
-type fileRequest struct {
-	Path string `json:"path"`
-	Data []byte `json:"data,omitempty"`
-	Perm uint32 `json:"perm,omitempty"`
-}
-
-type fileResponse struct {
-	Data  []byte `json:"data,omitempty"`
-	Error string `json:"error,omitempty"`
-	Errno int    `json:"errno,omitempty"`
-}
-
-type pluginRequest struct {
-	Path  string   `json:"path"`
-	Args  []string `json:"args"`
-	Log   string   `json:"log"`
-	Probe string   `json:"probe"`
-}
-
-type pluginResponse struct {
-	Error   string `json:"error,omitempty"`
-	PID     int    `json:"pid,omitempty"`
-	Running bool   `json:"running,omitempty"`
-	Exit    string `json:"exit,omitempty"`
-}
 
 // call posts req to the agent's path and decodes its answer into resp. Its
 // errors are transport errors (or a request the agent refused).
@@ -122,8 +85,8 @@ func (v *VM) StartPlugin(ctx context.Context, extra ...string) error {
 		"--node-id", v.Name, "--zone", "zone-a", "--node-address", v.Addr.String(),
 		"--state-dir", v.Path("state"), "-v", "2"}
 	args = append(args, extra...)
-	var resp pluginResponse
-	err := v.call(ctx, "/plugin/start", pluginRequest{
+	var resp agentapi.PluginResponse
+	err := v.call(ctx, agentapi.PathPluginStart, agentapi.PluginRequest{
 		Path: v.c.opts.Binary, Args: args, Log: v.pluginLogPath(),
 		Probe: "127.0.0.1:" + strconv.Itoa(pluginPort),
 	}, &resp)
@@ -139,8 +102,8 @@ func (v *VM) StartPlugin(ctx context.Context, extra ...string) error {
 // KillPlugin sends SIGKILL to the plugin process and waits until it is gone.
 // A plugin that is not running is no error.
 func (v *VM) KillPlugin(ctx context.Context) error {
-	var resp pluginResponse
-	if err := v.call(ctx, "/plugin/kill", struct{}{}, &resp); err != nil {
+	var resp agentapi.PluginResponse
+	if err := v.call(ctx, agentapi.PathPluginKill, struct{}{}, &resp); err != nil {
 		return err
 	}
 	if resp.Error != "" {
@@ -169,8 +132,8 @@ func (v *VM) ConsoleTail(n int) string { return readTail(v.console, n) }
 // cannot be started, 128+N when killed by signal N); err is for transport
 // failures only. Canceling ctx kills the command.
 func (v *VM) Run(ctx context.Context, name string, args ...string) (out string, exitCode int, err error) {
-	var resp runResponse
-	if err := v.call(ctx, "/run", runRequest{Name: name, Args: args}, &resp); err != nil {
+	var resp agentapi.RunResponse
+	if err := v.call(ctx, agentapi.PathRun, agentapi.RunRequest{Name: name, Args: args}, &resp); err != nil {
 		return "", -1, err
 	}
 	return string(resp.Output), resp.ExitCode, nil
@@ -199,8 +162,8 @@ func (e *FileError) Unwrap() error {
 // then fsynced, so that NFS write errors show). Its error includes the
 // errno text, e.g. "read-only file system" or "permission denied".
 func (v *VM) WriteFile(ctx context.Context, path string, data []byte) error {
-	var resp fileResponse
-	if err := v.call(ctx, "/write", fileRequest{Path: path, Data: data}, &resp); err != nil {
+	var resp agentapi.FileResponse
+	if err := v.call(ctx, agentapi.PathWrite, agentapi.FileRequest{Path: path, Data: data}, &resp); err != nil {
 		return err
 	}
 	if resp.Error != "" {
@@ -211,8 +174,8 @@ func (v *VM) WriteFile(ctx context.Context, path string, data []byte) error {
 
 // ReadFile reads the file at path inside the VM.
 func (v *VM) ReadFile(ctx context.Context, path string) ([]byte, error) {
-	var resp fileResponse
-	if err := v.call(ctx, "/read", fileRequest{Path: path}, &resp); err != nil {
+	var resp agentapi.FileResponse
+	if err := v.call(ctx, agentapi.PathRead, agentapi.FileRequest{Path: path}, &resp); err != nil {
 		return nil, err
 	}
 	if resp.Error != "" {

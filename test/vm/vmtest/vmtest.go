@@ -32,6 +32,9 @@
 package vmtest
 
 import (
+	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha/ganeshatest"
+	"github.com/modeguard/modeguard/pkg/localcluster"
+
 	"bytes"
 	"context"
 	"errors"
@@ -294,13 +297,13 @@ func reclaimStale(t testing.TB) {
 			continue // its owner still runs
 		}
 		if _, err := os.Stat("/run/netns/" + e.Name()); err == nil {
-			pids := namespacePIDs(e.Name())
+			pids := ganeshatest.NamespacePIDs(e.Name())
 			t.Logf("vmtest: deleting %s, left by test process %d that is gone (killing %v in it)", e.Name(), pid, pids)
 			for _, p := range pids {
 				_ = syscall.Kill(p, syscall.SIGKILL)
 			}
 			deadline := time.Now().Add(5 * time.Second)
-			for len(namespacePIDs(e.Name())) > 0 && time.Now().Before(deadline) {
+			for len(ganeshatest.NamespacePIDs(e.Name())) > 0 && time.Now().Before(deadline) {
 				time.Sleep(20 * time.Millisecond)
 			}
 			if err := ipCmd("netns", "del", e.Name()); err != nil {
@@ -308,7 +311,7 @@ func reclaimStale(t testing.TB) {
 				continue
 			}
 		}
-		if strings.HasPrefix(filepath.Base(work), "mgvm-") && len(mountsUnder(work)) == 0 {
+		if strings.HasPrefix(filepath.Base(work), "mgvm-") && len(localcluster.MountsUnder(work)) == 0 {
 			os.RemoveAll(work)
 		}
 		os.Remove(rec)
@@ -523,13 +526,13 @@ func (c *Cluster) cleanup() {
 	nsMade, taps := c.nsMade, append([]string(nil), c.taps...)
 	c.mu.Unlock()
 	if nsMade {
-		if pids := namespacePIDs(c.nsName); len(pids) > 0 {
+		if pids := ganeshatest.NamespacePIDs(c.nsName); len(pids) > 0 {
 			t.Errorf("vmtest: processes still running in %s: %v; killing them", c.nsName, pids)
 			for _, pid := range pids {
 				_ = syscall.Kill(pid, syscall.SIGKILL)
 			}
 			deadline := time.Now().Add(5 * time.Second)
-			for len(namespacePIDs(c.nsName)) > 0 && time.Now().Before(deadline) {
+			for len(ganeshatest.NamespacePIDs(c.nsName)) > 0 && time.Now().Before(deadline) {
 				time.Sleep(20 * time.Millisecond)
 			}
 		}
@@ -546,7 +549,7 @@ func (c *Cluster) cleanup() {
 	} else {
 		os.Remove(filepath.Join(ownersDir, c.nsName))
 	}
-	for _, m := range mountsUnder(c.WorkDir) {
+	for _, m := range localcluster.MountsUnder(c.WorkDir) {
 		t.Errorf("vmtest: leftover mount %s on the host; unmounting it", m)
 		if err := unix.Unmount(m, unix.MNT_DETACH); err != nil {
 			t.Errorf("vmtest: unmounting %s: %v", m, err)
@@ -559,62 +562,6 @@ func (c *Cluster) cleanup() {
 	if err := os.RemoveAll(c.WorkDir); err != nil {
 		t.Errorf("vmtest: %v", err)
 	}
-}
-
-// namespacePIDs lists the processes in a named namespace.
-func namespacePIDs(name string) []int {
-	out, err := exec.Command("ip", "netns", "pids", name).Output()
-	if err != nil {
-		return nil
-	}
-	var pids []int
-	for _, f := range strings.Fields(string(out)) {
-		if pid, err := strconv.Atoi(f); err == nil {
-			pids = append(pids, pid)
-		}
-	}
-	return pids
-}
-
-// mountsUnder lists the host's mount points at or below dir, deepest first.
-func mountsUnder(dir string) []string {
-	data, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return nil
-	}
-	var found []string
-	for _, line := range strings.Split(string(data), "\n") {
-		f := strings.Fields(line)
-		if len(f) < 5 {
-			continue
-		}
-		p := unescapeMount(f[4])
-		if p == dir || strings.HasPrefix(p, dir+"/") {
-			found = append(found, p)
-		}
-	}
-	for i, j := 0, len(found)-1; i < j; i, j = i+1, j-1 {
-		found[i], found[j] = found[j], found[i]
-	}
-	return found
-}
-
-func unescapeMount(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 func readTail(path string, n int) string {

@@ -30,17 +30,7 @@ const MiB = int64(1) << 20
 
 func needRoot(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: attaches loop devices and mounts xfs images")
-	}
-	for _, tool := range []string{"mkfs.xfs", "xfs_growfs", "losetup", "cp"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("needs %s (xfsprogs, util-linux, coreutils): %v", tool, err)
-		}
-	}
-	if _, err := os.Stat("/dev/loop-control"); err != nil {
-		t.Skipf("needs loop devices: %v", err)
-	}
+	testfiles.RequireLoopDevices(t, "attaches loop devices and mounts xfs images", "mkfs.xfs", "xfs_growfs", "losetup", "cp")
 }
 
 // newStore opens a store in a new temporary directory (on disk, not

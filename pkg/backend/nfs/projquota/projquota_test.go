@@ -116,17 +116,7 @@ func TestFsxattrIoctlNumbers(t *testing.T) {
 
 func needRoot(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: mounts an xfs image on a loop device")
-	}
-	for _, tool := range []string{"mkfs.xfs", "xfs_quota", "losetup", "cp"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("needs %s (xfsprogs, util-linux, coreutils): %v", tool, err)
-		}
-	}
-	if _, err := os.Stat("/dev/loop-control"); err != nil {
-		t.Skipf("needs loop devices: %v", err)
-	}
+	testfiles.RequireLoopDevices(t, "mounts an xfs image on a loop device", "mkfs.xfs", "xfs_quota", "losetup", "cp")
 }
 
 // newPool prepares a pool in a new temporary directory and registers its

@@ -186,14 +186,14 @@ func Cleanup(tb testing.TB, n *Network) {
 	names := append([]string(nil), n.created...)
 	n.mu.Unlock()
 	for _, name := range names {
-		pids := namespacePIDs(name)
+		pids := NamespacePIDs(name)
 		if len(pids) > 0 {
 			tb.Errorf("ganeshatest: processes still running in %s: %v; killing them", name, pids)
 			for _, pid := range pids {
 				_ = syscall.Kill(pid, syscall.SIGKILL)
 			}
 			deadline := time.Now().Add(5 * time.Second)
-			for len(namespacePIDs(name)) > 0 && time.Now().Before(deadline) {
+			for len(NamespacePIDs(name)) > 0 && time.Now().Before(deadline) {
 				time.Sleep(20 * time.Millisecond)
 			}
 		}
@@ -203,8 +203,8 @@ func Cleanup(tb testing.TB, n *Network) {
 	}
 }
 
-// namespacePIDs lists the processes in a named namespace ("ip netns pids").
-func namespacePIDs(name string) []int {
+// NamespacePIDs lists the processes in a named namespace ("ip netns pids").
+func NamespacePIDs(name string) []int {
 	out, err := exec.Command("ip", "netns", "pids", name).Output()
 	if err != nil {
 		return nil
