@@ -5,7 +5,7 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 GOTEST_FLAGS ?= -race -count=1
 
-.PHONY: all build image cluster-up cluster-down demo test test-vm test-unit test-integration test-sanity vet fmt-check clean
+.PHONY: all build image cluster-up cluster-down demo test test-vm test-e2e test-unit test-integration test-sanity vet fmt-check clean
 
 all: build
 
@@ -27,11 +27,18 @@ image:
 		echo "make image: needs a docker daemon or buildah (Debian package buildah)"; exit 1; \
 	fi
 
-# A one-node Kubernetes v1.33 built from source on this machine, with the
-# driver deployed from deploy/kubernetes (overlays/local) and a claim proving
-# it: see hack/local-cluster/README.md. Cold: Kubernetes ~10 min, images
-# ~15 min; cached: about a minute.
-cluster-up: build
+# Kubernetes v1.33 built from source on this machine (three nodes, two
+# zones), with the driver deployed from deploy/kubernetes (overlays/local)
+# and a claim proving it: see hack/local-cluster/README.md. Cold: Kubernetes
+# ~10 min, images ~15 min; cached: about a minute.
+KUSTOMIZE_VERSION := v5.7.1
+KUSTOMIZE := $(CURDIR)/_build/tools/kustomize
+export KUSTOMIZE
+
+$(KUSTOMIZE):
+	GOBIN=$(CURDIR)/_build/tools $(GO) install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION)
+
+cluster-up: build $(KUSTOMIZE)
 	bash hack/local-cluster/build.sh
 	bash hack/images/base.sh
 	bash hack/images/modeguard.sh
@@ -39,9 +46,23 @@ cluster-up: build
 	bash hack/local-cluster/up.sh
 	bash hack/local-cluster/deploy.sh
 
+# Every modeguard volume deleted through Kubernetes first (so the driver
+# unpublishes, detaches and deletes them), then the cluster stopped by PID.
 cluster-down:
-	-CLEAN=1 bash hack/local-cluster/deploy.sh
+	-bash hack/local-cluster/undeploy.sh
 	bash hack/local-cluster/down.sh
+
+# The stories of deploy/examples end to end on that cluster (test/e2e); the
+# cluster goes down afterwards whatever the result.
+test-e2e:
+	@rc=0; \
+	if $(MAKE) cluster-up; then \
+		MODEGUARD_E2E_KUBECONFIG=$(CURDIR)/_build/cluster/admin.kubeconfig \
+			$(GO) test $(GOTEST_FLAGS) -timeout 30m -v ./test/e2e/ || rc=$$?; \
+		bash hack/local-cluster/undeploy.sh || rc=$${rc/#0/1}; \
+	else rc=1; fi; \
+	bash hack/local-cluster/down.sh || rc=$${rc/#0/1}; \
+	exit $$rc
 
 demo: build ## a controller and three node plugins in two zones, walked through the stories
 	./bin/modeguard demo
@@ -51,6 +72,7 @@ demo: build ## a controller and three node plugins in two zones, walked through 
 test: fmt-check vet build
 	$(GO) test $(GOTEST_FLAGS) -timeout 20m ./...
 	$(MAKE) test-vm
+	$(MAKE) test-e2e
 	bash hack/check-leftovers.sh
 
 # Tests that need a kernel this machine may lack (xfs quota support), run in

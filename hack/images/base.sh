@@ -37,7 +37,11 @@ command -v debootstrap >/dev/null || need+=(debootstrap)
 command -v buildah >/dev/null || need+=(buildah)
 if ((${#need[@]})); then
   log "apt-get install ${need[*]}"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${need[@]}" >/dev/null
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${need[@]}" >/dev/null; then
+    log "apt-get install failed; refreshing package lists once"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${need[@]}" >/dev/null
+  fi
 fi
 mkdir -p "$OUT"
 ctr=

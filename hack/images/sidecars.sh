@@ -11,6 +11,11 @@
 # Not on the proxy, so NOT built here: csi-node-driver-registrar and
 # livenessprobe (see hack/images/README.md).
 #
+# Also from external-snapshotter, for the local cluster (hack/local-cluster),
+# which runs them itself as parts of the cluster rather than of the driver:
+# the snapshot-controller binary (no image) and the snapshot CRDs, copied
+# from the client module to _build/images/sidecars/crds.
+#
 # Usage: hack/images/sidecars.sh [binaries|images|all]   (default all)
 # Versions can be overridden: PROVISIONER_VERSION=v6.3.0 ATTACHER_VERSION=...
 set -euo pipefail
@@ -35,7 +40,10 @@ SIDECARS=(
   "csi-attacher github.com/kubernetes-csi/external-attacher/v4 $ATTACHER_VERSION"
   "csi-resizer github.com/kubernetes-csi/external-resizer/v2 $RESIZER_VERSION"
   "csi-snapshotter github.com/kubernetes-csi/external-snapshotter/v8 $SNAPSHOTTER_VERSION"
+  "snapshot-controller github.com/kubernetes-csi/external-snapshotter/v8 $SNAPSHOTTER_VERSION"
 )
+# Built, but run by hack/local-cluster/up.sh as a process: no image.
+NO_IMAGE=" snapshot-controller "
 
 log() { printf '[sidecars %s] %s\n' "$(date +%T)" "$*" >&2; }
 
@@ -87,7 +95,18 @@ binaries() {
     fi
     build_one "$name" "$mod" "$ver" || { log "FAILED: $name $ver"; rc=1; }
   done
+  crds || rc=1
   return $rc
+}
+
+# The snapshot.storage.k8s.io CRDs of the snapshotter's client module.
+crds() {
+  local cdir
+  cdir=$(moddir github.com/kubernetes-csi/external-snapshotter/client/v8 "$SNAPSHOTTER_VERSION")
+  [[ -d $cdir/config/crd ]] || { log "no CRDs in client/v8@$SNAPSHOTTER_VERSION"; return 1; }
+  mkdir -p "$WORK/crds"
+  cp "$cdir"/config/crd/snapshot.storage.k8s.io_*.yaml "$WORK/crds/"
+  chmod u+w "$WORK"/crds/*.yaml
 }
 
 images() {
@@ -99,6 +118,7 @@ images() {
   local s name mod ver ref tag ctr archive
   for s in "${SIDECARS[@]}"; do
     read -r name mod ver <<<"$s"
+    [[ $NO_IMAGE == *" $name "* ]] && continue
     [[ -x $WORK/bin/$name ]] || { log "no binary for $name, skipped"; continue; }
     ref=$(manifest_ref "$name"); tag=${ref##*:}
     [[ $tag == "$ver" ]] || log "NOTE: $ref holds $name $ver (the manifest's tag is $tag)"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Deploys modeguard onto the cluster of up.sh (deploy/kubernetes/overlays/local) and proves a
-# block volume works: imports _build/images/*.tar into the cluster's containerd, labels node
-# "localhost" zone-a, applies the overlay, waits (bounded) for the controller and node pods,
-# then a PVC of modeguard-block + a pod using it, writes a file in it, prints the result.
+# block volume works: imports _build/images/*.tar into every node's containerd, applies the
+# overlay, waits (bounded) for the controller and the node pods and for the driver in every
+# node's CSINode, then a PVC of modeguard-block + a pod using it, writes a file in it, prints
+# the result.
 # Needs: root, up.sh running, the archives of hack/images. CLEAN=1: delete the test pod+PVC
 # at the end (so the volume is unpublished and its loop device detached).
 set -euo pipefail
@@ -16,7 +17,7 @@ NS=modeguard
 TESTNS=default
 export KUBECONFIG="$C/admin.kubeconfig"
 export PATH="$BUILD/k8s/bin:$BUILD/debs/bin:$PATH"
-KUSTOMIZE="${KUSTOMIZE:-$(command -v kustomize || echo "$HOME/go/bin/kustomize")}"
+KUSTOMIZE="${KUSTOMIZE:-$(command -v kustomize || echo "$BUILD/tools/kustomize")}"
 
 log() { printf '[deploy %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 die() { printf '[deploy %s] ERROR: %s\n' "$(date +%H:%M:%S)" "$*" >&2; exit 1; }
@@ -32,17 +33,20 @@ diag() {
 trap 'rc=$?; if (( rc != 0 )); then diag; fi' EXIT
 
 [[ $EUID -eq 0 ]] || die "must run as root"
-kubectl get node localhost >/dev/null 2>&1 || die "no cluster: run hack/local-cluster/up.sh first"
+mapfile -t NODES < <(kubectl get nodes -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}' 2>/dev/null)
+((${#NODES[@]})) || die "no cluster: run hack/local-cluster/up.sh first"
 [[ -x "$KUSTOMIZE" ]] || die "kustomize not found (set KUSTOMIZE)"
 
-log "importing images"
-for t in "$BUILD"/images/modeguard.tar "$BUILD"/images/csi-*.tar; do
-  ctr -a "$C/containerd/containerd.sock" -n k8s.io images import "$t" >/dev/null || die "import $t"
+log "importing images into the containerd of ${NODES[*]}"
+for n in "${NODES[@]}"; do
+  for t in "$BUILD"/images/modeguard.tar "$BUILD"/images/csi-*.tar; do
+    ctr -a "$C/nodes/$n/containerd/containerd.sock" -n k8s.io images import "$t" >/dev/null || die "import $t into $n"
+  done &
 done
+wait
 
-log "labelling node localhost with zone-a; making the pool and state directories"
-kubectl label node localhost topology.kubernetes.io/zone=zone-a --overwrite >/dev/null
-mkdir -p "$BUILD"/modeguard-local/{pools/zone-a,node,nfs,ganesha}
+log "making the pool and state directories"
+mkdir -p "$BUILD"/modeguard-local/{pools/zone-a,pools/zone-b,node,nfs,ganesha}
 
 log "applying deploy/kubernetes/overlays/local"
 # The overlay's host paths assume the repository at /work/main.
@@ -52,11 +56,14 @@ log "applying deploy/kubernetes/overlays/local"
 log "waiting for the controller and node pods (<= ${WAIT}s)"
 kubectl -n "$NS" rollout status deployment/modeguard-controller --timeout="${WAIT}s"
 kubectl -n "$NS" rollout status daemonset/modeguard-node --timeout="${WAIT}s"
+kubectl -n "$NS" rollout status daemonset/modeguard-node-zone-b --timeout="${WAIT}s"
 kubectl -n "$NS" wait --for=condition=Ready pod -l app.kubernetes.io/name=modeguard --timeout="${WAIT}s"
 deadline=$(( $(date +%s) + WAIT ))
-until kubectl get csinode localhost -o jsonpath='{.spec.drivers[*].name}' 2>/dev/null | grep -q modeguard.csi.dev; do
-  (( $(date +%s) < deadline )) || die "driver not registered in CSINode localhost"
-  sleep 1
+for n in "${NODES[@]}"; do
+  until kubectl get csinode "$n" -o jsonpath='{.spec.drivers[*].name}' 2>/dev/null | grep -q modeguard.csi.dev; do
+    (( $(date +%s) < deadline )) || die "driver not registered in CSINode $n"
+    sleep 1
+  done
 done
 
 log "PVC (modeguard-block) and a pod using it"
@@ -97,7 +104,8 @@ log "writing a file in the volume"
 kubectl -n "$TESTNS" exec mg-local-test -- sh -c 'echo "hello from $(hostname) $(date)" > /data/hello && cat /data/hello && df -h /data && grep " /data " /proc/mounts'
 
 kubectl get pv,pvc,pod -A -o wide
-kubectl get csinode localhost -o yaml
+kubectl get csinode -o custom-columns='NODE:.metadata.name,DRIVER:.spec.drivers[*].name,NODEID:.spec.drivers[*].nodeID,TOPOLOGY:.spec.drivers[*].topologyKeys'
+
 
 if [[ "${CLEAN:-0}" == 1 ]]; then
   log "deleting the test pod and claim (and waiting for the PV: DeleteVolume removes the image)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stops what hack/local-cluster/up.sh started, by the PIDs in _build/cluster/pids (SIGTERM,
-# then SIGKILL after a bounded wait): kubelet, pod processes (found under the containerd shims
-# that name OUR containerd socket), containerd, control plane, etcd. Then unmounts everything
+# then SIGKILL after a bounded wait): the kubelets, pod processes (found under the containerd
+# shims that name one of OUR containerd sockets), the containerds, control plane, etcd. Then unmounts everything
 # under _build/cluster (netns bind mounts included), removes the host veths of our CNI plugin,
 # the cgroups made for the kubelet, and restores the host sysctls the kubelet changed.
 # PURGE=1 also deletes _build/cluster (PKI, etcd data, images).
@@ -42,16 +42,19 @@ if [[ -s "$C/pids" ]]; then
     if ours "$pid"; then PID_OF[$name]=$pid; fi
   done <"$C/pids"
 fi
-# 1. kubelet, so that it restarts nothing.
-[[ -n "${PID_OF[kubelet]:-}" ]] && stop_pid kubelet "${PID_OF[kubelet]}"
+# 1. The kubelets, so that they restart nothing.
+for n in "${!PID_OF[@]}"; do
+  [[ "$n" == kubelet* ]] && stop_pid "$n" "${PID_OF[$n]}" &
+done
+wait
 
-# 2. Pod processes. containerd-shim-runc-v2 processes outlive containerd; ours carry OUR
-# containerd socket path on their command line (that is how they are found, never by program
-# name). Test pods are disposable: their processes get SIGTERM and 1 s, then SIGKILL.
+# 2. Pod processes. containerd-shim-runc-v2 processes outlive containerd; ours carry one of
+# OUR containerd socket paths (below $C/nodes) on their command line (that is how they are
+# found, never by program name). Test pods are disposable: their processes get SIGTERM and 1 s, then SIGKILL.
 shims=()
 for d in /proc/[0-9]*; do
   cmd=$(tr '\0' ' ' 2>/dev/null <"$d/cmdline") || continue
-  if [[ "$cmd" == *containerd-shim-runc-v2* && "$cmd" == *"$C/containerd/containerd.sock"* ]]; then
+  if [[ "$cmd" == *containerd-shim-runc-v2* && "$cmd" == *"$C/nodes/"*"/containerd/containerd.sock"* ]]; then
     shims+=("${d#/proc/}")
   fi
 done
@@ -62,7 +65,9 @@ for s in "${shims[@]}"; do
 done
 wait
 # 3. containerd and the shims, then the control plane in parallel, etcd last.
-[[ -n "${PID_OF[containerd]:-}" ]] && stop_pid containerd "${PID_OF[containerd]}" &
+for n in "${!PID_OF[@]}"; do
+  [[ "$n" == containerd* ]] && stop_pid "$n" "${PID_OF[$n]}" &
+done
 for s in "${shims[@]}"; do stop_pid "containerd-shim (pid $s)" "$s" & done
 for n in kube-scheduler kube-controller-manager kube-apiserver; do
   [[ -n "${PID_OF[$n]:-}" ]] && stop_pid "$n" "${PID_OF[$n]}" &
@@ -83,13 +88,30 @@ if [[ -d "$C" ]]; then
   done
 fi
 
+# The driver's storage (pools, node state, NFS images, ganesha's files): a cluster starts with
+# empty etcd, so volumes recorded there would be orphans. Unmount what is still mounted below
+# it, detach the loop devices backed by its files, then delete it (KEEP_STATE=1 keeps it).
+MG="$BUILD/modeguard-local"
+if [[ -d "$MG" ]]; then
+  mapfile -t mnts < <(awk -v p="$MG/" 'index($2, p) == 1 {print $2}' /proc/self/mounts | sort -r)
+  for m in "${mnts[@]}"; do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || log "cannot unmount $m"; done
+  for f in /sys/block/loop*/loop/backing_file; do
+    [[ -r "$f" ]] || continue
+    if [[ "$(cat "$f")" == "$MG/"* ]]; then
+      dev=/dev/$(basename "$(dirname "$(dirname "$f")")")
+      losetup -d "$dev" 2>/dev/null && log "detached $dev ($(cat "$f" 2>/dev/null))"
+    fi
+  done
+  if [[ "${KEEP_STATE:-0}" != 1 ]]; then rm -rf "$MG"; fi
+fi
+
 # Host ends of our CNI veths (named mg<container-id prefix>) and their addresses.
 for l in /sys/class/net/mg*; do
   [[ -e "$l" ]] || continue
   n=$(basename "$l")
   if [[ "$n" =~ ^mg[0-9a-f]{12}$ ]]; then ip link del "$n" 2>/dev/null && log "removed veth $n"; fi
 done
-rm -rf "$C/cni/data/ips" 2>/dev/null
+rm -rf "$C"/nodes/*/cni/data/ips 2>/dev/null
 
 # Cgroups made for the kubelet (only empty ones can go; deepest first).
 for h in /sys/fs/cgroup/*/; do

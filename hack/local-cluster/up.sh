@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# Starts a one-node Kubernetes v1.33.13 cluster on this machine, without kind or Docker:
-# etcd, kube-apiserver, kube-controller-manager, kube-scheduler, containerd and a kubelet
-# for node "localhost". Everything listens on 127.0.0.1 (or on unix sockets); state lives
-# in _build/cluster. PIDs go to _build/cluster/pids (name pid per line); stop with down.sh.
+# Starts a Kubernetes v1.33.13 cluster on this machine, without kind or Docker: etcd,
+# kube-apiserver, kube-controller-manager, kube-scheduler and, per node, a containerd and a
+# kubelet. The nodes (NODES, "name=zone ..."; the default below):
+#   127.0.0.1  zone-a
+#   127.0.0.2  zone-a
+#   127.0.0.3  zone-b
+# A node is named by the loopback address its kubelet listens on. The apiserver reaches a
+# kubelet (exec, logs) by the node's Hostname address, and an address needs no name
+# resolution; the kubelet, which refuses a loopback --node-ip, takes a node name that is an
+# address as the node's InternalIP, so pods see it as status.hostIP. Two nodes share zone-a so that a zonal volume has a second node
+# it could be attached to. Everything listens on 127.0.0.0/8 (or on unix sockets); state
+# lives in _build/cluster, each node's in _build/cluster/nodes/<name>. PIDs go to
+# _build/cluster/pids (name pid per line); stop with down.sh.
 # Each run starts from empty etcd/containerd/kubelet state (KEEP_STATE=1 keeps it).
 # Needs: root, hack/local-cluster/build.sh run first. Admin kubeconfig:
 #   _build/cluster/admin.kubeconfig
@@ -14,10 +23,8 @@ BUILD="${BUILD_DIR:-$REPO/_build}"
 C="$BUILD/cluster"
 BIN="$BUILD/k8s/bin"
 DEBS="$BUILD/debs/bin"
-NODE=localhost
+NODES="${NODES:-127.0.0.1=zone-a 127.0.0.2=zone-a 127.0.0.3=zone-b}"
 CGROUP_ROOT=/modeguard-local
-POD_SUBNET=10.244.0.0/24
-POD_GW=10.244.0.1
 SERVICE_CIDR=10.0.0.0/24
 API_PORT=6443
 WAIT="${WAIT_SECONDS:-60}"
@@ -36,7 +43,12 @@ if [[ -s "$C/pids" ]]; then
     if kill -0 "$pid" 2>/dev/null; then die "$name (pid $pid) from an earlier up.sh still runs: run down.sh first"; fi
   done <"$C/pids"
 fi
-for port in 2379 2380 $API_PORT 10250 10248 10257 10259; do
+for nz in $NODES; do
+  name=${nz%%=*}
+  [[ "$nz" == *=* && -n "$name" && -n "${nz#*=}" ]] || die "NODES entry '$nz' is not name=zone"
+  [[ "$name" =~ ^127\.[0-9]+\.[0-9]+\.[0-9]+$ ]] || die "node '$name' must be a 127.x.y.z address"
+done
+for port in 2379 2380 $API_PORT 10257 10259; do
   if ss -Hltn "sport = :$port" | grep -q .; then die "port $port already in use"; fi
 done
 
@@ -45,9 +57,9 @@ if awk -v p="$C/" 'index($2, p) == 1 {found=1} END {exit !found}' /proc/self/mou
 fi
 # A fresh cluster every time (PKI and nothing else kept) unless KEEP_STATE=1.
 if [[ "${KEEP_STATE:-0}" != 1 ]]; then
-  rm -rf "$C"/{etcd,containerd,kubelet,cni,logs}
+  rm -rf "$C"/{etcd,nodes,logs}
 fi
-mkdir -p "$C"/{pki,logs,etcd,containerd/root,containerd/state,cni/net.d,cni/data,kubelet}
+mkdir -p "$C"/{pki,logs,etcd,nodes}
 : >"$C/pids"
 
 # wait_for DESCRIPTION SECONDS COMMAND...: poll every 0.2 s, fail with the log hint.
@@ -99,8 +111,11 @@ cert apiserver-kubelet-client kube-apiserver-kubelet-client system:masters "" cl
 cert admin admin system:masters "" clientAuth
 cert controller-manager system:kube-controller-manager "" "" clientAuth
 cert scheduler system:kube-scheduler "" "" clientAuth
-cert kubelet "system:node:$NODE" system:nodes "" clientAuth
-cert kubelet-serving "$NODE" "" "DNS:$NODE,IP:127.0.0.1" serverAuth
+for nz in $NODES; do
+  name=${nz%%=*}
+  cert "kubelet-$name" "system:node:$name" system:nodes "" clientAuth
+  cert "kubelet-serving-$name" "$name" "" "IP:$name" serverAuth
+done
 if [[ ! -s "$P/sa.key" ]]; then
   openssl genrsa -out "$P/sa.key" 2048 2>/dev/null
   openssl rsa -in "$P/sa.key" -pubout -out "$P/sa.pub" 2>/dev/null
@@ -129,7 +144,6 @@ EOF
 kubeconfig "$C/admin.kubeconfig" admin
 kubeconfig "$C/controller-manager.kubeconfig" controller-manager
 kubeconfig "$C/scheduler.kubeconfig" scheduler
-kubeconfig "$C/kubelet.kubeconfig" kubelet
 KUBECTL=(kubectl --kubeconfig "$C/admin.kubeconfig")
 
 # ---------------------------------------------------------------- etcd
@@ -179,21 +193,62 @@ start kube-scheduler kube-scheduler \
   --authorization-kubeconfig="$C/scheduler.kubeconfig" \
   --bind-address=127.0.0.1 --leader-elect=false --profiling=false --v=1
 
-# ---------------------------------------------------------------- containerd + CNI
-cat >"$C/cni/net.d/10-modeguard.conflist" <<EOF
+# ---------------------------------------------------------------- snapshots
+# The VolumeSnapshot CRDs and the snapshot-controller, built by hack/images/sidecars.sh from
+# external-snapshotter: cluster parts (a CSI driver ships only the csi-snapshotter sidecar),
+# run here like the other controllers.
+SNAP="$BUILD/images/sidecars"
+if [[ -x "$SNAP/bin/snapshot-controller" ]] && compgen -G "$SNAP/crds/*.yaml" >/dev/null; then
+  log "VolumeSnapshot CRDs and snapshot-controller"
+  "${KUBECTL[@]}" apply -f "$SNAP/crds" >/dev/null
+  "${KUBECTL[@]}" wait --for=condition=Established --timeout="${WAIT}s" \
+    crd/volumesnapshots.snapshot.storage.k8s.io crd/volumesnapshotcontents.snapshot.storage.k8s.io \
+    crd/volumesnapshotclasses.snapshot.storage.k8s.io >/dev/null
+  start snapshot-controller "$SNAP/bin/snapshot-controller" --kubeconfig="$C/admin.kubeconfig" \
+    --leader-election=false --v=1
+else
+  log "no snapshot-controller in $SNAP (hack/images/sidecars.sh binaries builds it): no VolumeSnapshots"
+fi
+
+# ---------------------------------------------------------------- nodes
+# The node plugins see every node's kubelet directory below $C/nodes, mounted Bidirectional;
+# containerd allows that only on a shared mount, so $C/nodes is bound onto itself and shared
+# (down.sh unmounts it).
+NODES_DIR="$C/nodes"
+mount --bind "$NODES_DIR" "$NODES_DIR"
+mount --make-rshared "$NODES_DIR"
+# The kubelet (protectKernelDefaults: false) sets these host sysctls; remember them for down.sh.
+if [[ ! -s "$C/sysctl.saved" ]]; then
+  for k in vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_on_oops kernel/keys/root_maxkeys kernel/keys/root_maxbytes; do
+    if [[ -r /proc/sys/$k ]]; then echo "$k $(cat /proc/sys/$k)"; fi
+  done >"$C/sysctl.saved"
+fi
+
+# start_node NAME INDEX: containerd (own root, state and socket; a kubelet treats every pod
+# its runtime reports as its own, so nodes cannot share one), the CNI config (pods of node
+# INDEX get 10.244.INDEX.0/24), and the kubelet.
+start_node() {
+  local name=$1 idx=$2 ip=$1
+  local N="$NODES_DIR/$name"
+  local sock="$N/containerd/containerd.sock" cg="$CGROUP_ROOT/node$idx"
+  local p
+  for p in 10250 10248; do
+    if ss -Hltn "src $ip and sport = :$p" | grep -q .; then die "$ip:$p already in use"; fi
+  done
+  mkdir -p "$N"/{containerd/root,containerd/state,cni/net.d,cni/data,kubelet/root,kubelet/pki}
+  cat >"$N/cni/net.d/10-modeguard.conflist" <<EOF
 {
   "cniVersion": "0.4.0",
   "name": "modeguard-local",
   "plugins": [
-    {"type": "modeguard-veth", "subnet": "$POD_SUBNET", "gateway": "$POD_GW", "dataDir": "$C/cni/data"}
+    {"type": "modeguard-veth", "subnet": "10.244.$idx.0/24", "gateway": "10.244.$idx.1", "dataDir": "$N/cni/data"}
   ]
 }
 EOF
-CTRD_SOCK="$C/containerd/containerd.sock"
-cat >"$C/containerd/config.toml" <<EOF
+  cat >"$N/containerd/config.toml" <<EOF
 version = 2
-root = "$C/containerd/root"
-state = "$C/containerd/state"
+root = "$N/containerd/root"
+state = "$N/containerd/state"
 disabled_plugins = [
   "io.containerd.snapshotter.v1.aufs",
   "io.containerd.snapshotter.v1.btrfs",
@@ -201,16 +256,16 @@ disabled_plugins = [
   "io.containerd.snapshotter.v1.devmapper",
 ]
 [grpc]
-  address = "$CTRD_SOCK"
+  address = "$sock"
 [ttrpc]
-  address = "$C/containerd/containerd.sock.ttrpc"
+  address = "$sock.ttrpc"
 [plugins."io.containerd.internal.v1.opt"]
-  path = "$C/containerd/opt"
+  path = "$N/containerd/opt"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "registry.k8s.io/pause:3.10"
   restrict_oom_score_adj = true
   netns_mounts_under_state_dir = true
-  stream_server_address = "127.0.0.1"
+  stream_server_address = "$ip"
   stream_server_port = "0"
   enable_selinux = false
   [plugins."io.containerd.grpc.v1.cri".containerd]
@@ -223,29 +278,28 @@ disabled_plugins = [
         BinaryName = "$DEBS/runc"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "$BUILD/cni/bin"
-    conf_dir = "$C/cni/net.d"
+    conf_dir = "$N/cni/net.d"
 EOF
-log "starting containerd"
-start containerd containerd --config "$C/containerd/config.toml"
-wait_for "containerd socket" "$WAIT" ctr --address "$CTRD_SOCK" version
-log "importing images"
-"$HERE/images.sh" "$CTRD_SOCK"
+  log "starting containerd for node $name"
+  start "containerd-$name" containerd --config "$N/containerd/config.toml"
+  wait_for "containerd socket of $name" "$WAIT" ctr --address "$sock" version
+  "$HERE/images.sh" "$sock"
 
-# ---------------------------------------------------------------- kubelet
-for h in /sys/fs/cgroup/*/; do
-  [[ "$h" == */unified/ ]] && continue
-  mkdir -p "$h${CGROUP_ROOT#/}"
-done
-cat >"$C/kubelet/config.yaml" <<EOF
+  for h in /sys/fs/cgroup/*/; do
+    [[ "$h" == */unified/ ]] && continue
+    mkdir -p "$h${cg#/}"
+  done
+  kubeconfig "$N/kubelet.kubeconfig" "kubelet-$name"
+  cat >"$N/kubelet/config.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
-address: 127.0.0.1
+address: $ip
 port: 10250
 readOnlyPort: 0
-healthzBindAddress: 127.0.0.1
+healthzBindAddress: $ip
 healthzPort: 10248
-tlsCertFile: $P/kubelet-serving.crt
-tlsPrivateKeyFile: $P/kubelet-serving.key
+tlsCertFile: $P/kubelet-serving-$name.crt
+tlsPrivateKeyFile: $P/kubelet-serving-$name.key
 authentication:
   anonymous: {enabled: false}
   webhook: {enabled: true}
@@ -253,10 +307,10 @@ authentication:
 authorization:
   mode: Webhook
 cgroupDriver: cgroupfs
-cgroupRoot: $CGROUP_ROOT
+cgroupRoot: $cg
 cgroupsPerQOS: true
 failSwapOn: false
-containerRuntimeEndpoint: unix://$CTRD_SOCK
+containerRuntimeEndpoint: unix://$sock
 staticPodPath: ""
 evictionHard:
   memory.available: "100Mi"
@@ -268,20 +322,25 @@ imageGCLowThresholdPercent: 99
 clusterDomain: cluster.local
 resolvConf: /etc/resolv.conf
 serializeImagePulls: false
-podLogsDir: $C/kubelet/pod-logs
+podLogsDir: $N/kubelet/pod-logs
 EOF
-# The kubelet (protectKernelDefaults: false) sets these host sysctls; remember them for down.sh.
-if [[ ! -s "$C/sysctl.saved" ]]; then
-  for k in vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_on_oops kernel/keys/root_maxkeys kernel/keys/root_maxbytes; do
-    if [[ -r /proc/sys/$k ]]; then echo "$k $(cat /proc/sys/$k)"; fi
-  done >"$C/sysctl.saved"
-fi
-log "starting kubelet (node $NODE)"
-start kubelet kubelet --config="$C/kubelet/config.yaml" --kubeconfig="$C/kubelet.kubeconfig" \
-  --root-dir="$C/kubelet/root" --cert-dir="$C/kubelet/pki" --hostname-override=$NODE \
-  --v=1
-wait_for "kubelet /healthz" "$WAIT" curl -sf http://127.0.0.1:10248/healthz
-wait_for "node $NODE Ready" "$WAIT" "${KUBECTL[@]}" wait --for=condition=Ready "node/$NODE" --timeout=2s
+  log "starting kubelet for node $name ($ip)"
+  start "kubelet-$name" kubelet --config="$N/kubelet/config.yaml" --kubeconfig="$N/kubelet.kubeconfig" \
+    --root-dir="$N/kubelet/root" --cert-dir="$N/kubelet/pki" --hostname-override="$name" \
+    --v=1
+}
+
+idx=0
+for nz in $NODES; do
+  start_node "${nz%%=*}" "$idx"
+  idx=$((idx + 1))
+done
+for nz in $NODES; do
+  name=${nz%%=*}
+  wait_for "kubelet /healthz of $name" "$WAIT" curl -sf "http://$name:10248/healthz"
+  wait_for "node $name Ready" "$WAIT" "${KUBECTL[@]}" wait --for=condition=Ready "node/$name" --timeout=2s
+  "${KUBECTL[@]}" label node "$name" "topology.kubernetes.io/zone=${nz#*=}" --overwrite >/dev/null
+done
 wait_for "default service account" "$WAIT" "${KUBECTL[@]}" get serviceaccount default -n default
 log "cluster up; export KUBECONFIG=$C/admin.kubeconfig"
-"${KUBECTL[@]}" get nodes -o wide
+"${KUBECTL[@]}" get nodes -o wide -L topology.kubernetes.io/zone

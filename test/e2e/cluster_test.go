@@ -1,0 +1,499 @@
+// Package e2e runs the stories of deploy/examples on a real Kubernetes
+// cluster with modeguard deployed, and asserts what Kubernetes reports:
+// pod phases, events, PersistentVolumes, VolumeAttachments. It needs the
+// cluster of hack/local-cluster (make test-e2e brings it up, runs this and
+// takes it down): three nodes, 127.0.0.1 and 127.0.0.2 in zone-a and
+// 127.0.0.3 in zone-b. Without MODEGUARD_E2E_KUBECONFIG the tests skip.
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/tools/remotecommand"
+)
+
+const (
+	driverName = "modeguard.csi.dev"
+	zoneKey    = "topology.modeguard.csi.dev/zone"
+	// The image every test pod runs: busybox, imported into every node by
+	// hack/local-cluster (there is no registry to pull from).
+	testImage = "localhost/modeguard/busybox:test"
+
+	// Two nodes share zone-a, one is in zone-b (hack/local-cluster/up.sh).
+	nodeA1 = "127.0.0.1"
+	nodeA2 = "127.0.0.2"
+	nodeB  = "127.0.0.3"
+
+	// Bounds for what the cluster does on its own; generous because the
+	// machine may be busy, and every wait ends as soon as its condition holds.
+	startTimeout   = 2 * time.Minute
+	refusalTimeout = 90 * time.Second
+)
+
+var volumeSnapshots = schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshots"}
+
+// cluster is one test's view of the cluster: clients and its own namespace.
+type cluster struct {
+	t     *testing.T
+	ctx   context.Context
+	cs    kubernetes.Interface
+	dyn   dynamic.Interface
+	cfg   *rest.Config
+	ns    string
+	build string // the _build directory of hack/local-cluster: pools, exports
+}
+
+// setup connects to the cluster named by MODEGUARD_E2E_KUBECONFIG, or skips.
+// Every test gets a namespace of its own; at the end its pods and claims are
+// deleted and the test fails if a PersistentVolume it made does not go away,
+// which is how "deleting the claim removes the volume" is checked for all.
+func setup(t *testing.T) *cluster {
+	t.Helper()
+	kubeconfig := os.Getenv("MODEGUARD_E2E_KUBECONFIG")
+	if kubeconfig == "" {
+		t.Skip("no cluster: set MODEGUARD_E2E_KUBECONFIG (make test-e2e starts hack/local-cluster and sets it)")
+	}
+	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		t.Fatalf("kubeconfig %s: %v", kubeconfig, err)
+	}
+	cfg.QPS, cfg.Burst = 50, 100
+	c := &cluster{t: t, ctx: context.Background(), cfg: cfg,
+		cs:    kubernetes.NewForConfigOrDie(cfg),
+		dyn:   dynamic.NewForConfigOrDie(cfg),
+		build: os.Getenv("MODEGUARD_E2E_BUILD_DIR"),
+	}
+	if c.build == "" {
+		// kubeconfig is <build>/cluster/admin.kubeconfig
+		c.build = filepath.Dir(filepath.Dir(kubeconfig))
+	}
+	name := strings.ToLower(strings.NewReplacer("/", "-", "_", "-").Replace(t.Name()))
+	if len(name) > 40 {
+		name = name[:40]
+	}
+	ns, err := c.cs.CoreV1().Namespaces().Create(c.ctx, &corev1.Namespace{
+		ObjectMeta: metav1.ObjectMeta{GenerateName: "e2e-" + strings.Trim(name, "-") + "-"},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("creating the test namespace: %v", err)
+	}
+	c.ns = ns.Name
+	t.Logf("namespace %s", c.ns)
+	t.Cleanup(c.teardown)
+	return c
+}
+
+// teardown removes what the test made and checks that its volumes are gone.
+func (c *cluster) teardown() {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	if c.t.Failed() {
+		c.dumpState(ctx)
+	}
+	zero := int64(0)
+	del := metav1.DeleteOptions{GracePeriodSeconds: &zero}
+	_ = c.cs.AppsV1().Deployments(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
+	_ = c.cs.AppsV1().StatefulSets(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
+	_ = c.cs.CoreV1().Pods(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
+	_ = c.dyn.Resource(volumeSnapshots).Namespace(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
+	_ = c.cs.CoreV1().PersistentVolumeClaims(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
+	for {
+		var left []string
+		pvs, err := c.cs.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+		if err == nil {
+			for _, pv := range pvs.Items {
+				if pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == c.ns {
+					left = append(left, pv.Name+" ("+string(pv.Status.Phase)+")")
+				}
+			}
+		}
+		if err == nil && len(left) == 0 {
+			break
+		}
+		if ctx.Err() != nil {
+			c.t.Errorf("volumes of %s not deleted within 3 minutes: %v (last error: %v)", c.ns, left, err)
+			break
+		}
+		time.Sleep(time.Second)
+	}
+	if err := c.cs.CoreV1().Namespaces().Delete(ctx, c.ns, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		c.t.Errorf("deleting namespace %s: %v", c.ns, err)
+	}
+}
+
+// dumpState logs what a failed test leaves behind: pods, their events, and
+// the volume attachments.
+func (c *cluster) dumpState(ctx context.Context) {
+	pods, _ := c.cs.CoreV1().Pods(c.ns).List(ctx, metav1.ListOptions{})
+	for _, p := range pods.Items {
+		c.t.Logf("pod %s on %q: %s", p.Name, p.Spec.NodeName, p.Status.Phase)
+	}
+	evs, _ := c.cs.CoreV1().Events(c.ns).List(ctx, metav1.ListOptions{})
+	for _, e := range evs.Items {
+		c.t.Logf("event %s/%s %s: %s", e.InvolvedObject.Kind, e.InvolvedObject.Name, e.Reason, e.Message)
+	}
+	vas, _ := c.cs.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+	for _, va := range vas.Items {
+		c.t.Logf("volumeattachment %s node %s attached %v error %v", *va.Spec.Source.PersistentVolumeName, va.Spec.NodeName, va.Status.Attached, va.Status.AttachError)
+	}
+}
+
+// example decodes deploy/examples/<file> for this cluster: every pod runs the
+// local test image, which is never pulled.
+func (c *cluster) example(file string) []runtime.Object {
+	c.t.Helper()
+	data, err := os.ReadFile(filepath.Join("..", "..", "deploy", "examples", file))
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	var out []runtime.Object
+	reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
+	for {
+		doc, err := reader.Read()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			c.t.Fatalf("%s: %v", file, err)
+		}
+		if len(bytes.TrimSpace(doc)) == 0 {
+			continue
+		}
+		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode(doc, nil, nil)
+		if err != nil {
+			// Not a built-in kind (a VolumeSnapshot): keep it unstructured.
+			u := &unstructured.Unstructured{}
+			if err := utilyaml.Unmarshal(doc, &u.Object); err != nil {
+				c.t.Fatalf("%s: %v", file, err)
+			}
+			obj = u
+		}
+		if spec := podSpecOf(obj); spec != nil {
+			for i := range spec.Containers {
+				spec.Containers[i].Image = testImage
+				spec.Containers[i].ImagePullPolicy = corev1.PullNever
+			}
+			grace := int64(1)
+			spec.TerminationGracePeriodSeconds = &grace
+		}
+		out = append(out, obj)
+	}
+	return out
+}
+
+// create makes each object in the test's namespace.
+func (c *cluster) create(objs ...runtime.Object) {
+	c.t.Helper()
+	for _, obj := range objs {
+		if err := c.createOne(obj); err != nil {
+			c.t.Fatalf("creating %T: %v", obj, err)
+		}
+	}
+}
+
+func (c *cluster) createOne(obj runtime.Object) error {
+	ctx, opts := c.ctx, metav1.CreateOptions{}
+	var err error
+	switch o := obj.(type) {
+	case *corev1.PersistentVolumeClaim:
+		_, err = c.cs.CoreV1().PersistentVolumeClaims(c.ns).Create(ctx, o, opts)
+	case *corev1.Pod:
+		_, err = c.cs.CoreV1().Pods(c.ns).Create(ctx, o, opts)
+	case *corev1.Service:
+		_, err = c.cs.CoreV1().Services(c.ns).Create(ctx, o, opts)
+	case *storagev1.StorageClass:
+		_, err = c.cs.StorageV1().StorageClasses().Create(ctx, o, opts)
+		if err == nil {
+			c.t.Cleanup(func() {
+				_ = c.cs.StorageV1().StorageClasses().Delete(context.Background(), o.Name, metav1.DeleteOptions{})
+			})
+		}
+	case *unstructured.Unstructured:
+		if o.GetKind() != "VolumeSnapshot" {
+			return fmt.Errorf("no client for kind %s", o.GetKind())
+		}
+		_, err = c.dyn.Resource(volumeSnapshots).Namespace(c.ns).Create(ctx, o, opts)
+	case *appsv1.Deployment:
+		_, err = c.cs.AppsV1().Deployments(c.ns).Create(ctx, o, opts)
+	case *appsv1.StatefulSet:
+		_, err = c.cs.AppsV1().StatefulSets(c.ns).Create(ctx, o, opts)
+	default:
+		return fmt.Errorf("no client for %T", obj)
+	}
+	return err
+}
+
+// waitFor polls cond every half second until it holds or timeout passes.
+func (c *cluster) waitFor(what string, timeout time.Duration, cond func() (bool, error)) {
+	c.t.Helper()
+	deadline := time.Now().Add(timeout)
+	var lastErr error
+	for {
+		ok, err := cond()
+		if ok {
+			return
+		}
+		lastErr = err
+		if time.Now().After(deadline) {
+			c.t.Fatalf("timed out after %v waiting for %s (last error: %v)", timeout, what, lastErr)
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+}
+
+func (c *cluster) pod(name string) *corev1.Pod {
+	c.t.Helper()
+	p, err := c.cs.CoreV1().Pods(c.ns).Get(c.ctx, name, metav1.GetOptions{})
+	if err != nil {
+		c.t.Fatalf("pod %s: %v", name, err)
+	}
+	return p
+}
+
+func (c *cluster) pods(selector string) []corev1.Pod {
+	c.t.Helper()
+	l, err := c.cs.CoreV1().Pods(c.ns).List(c.ctx, metav1.ListOptions{LabelSelector: selector})
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	return l.Items
+}
+
+func podReady(p *corev1.Pod) bool {
+	for _, cond := range p.Status.Conditions {
+		if cond.Type == corev1.PodReady {
+			return cond.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// waitRunning waits until the pod is Ready and returns it.
+func (c *cluster) waitRunning(name string) *corev1.Pod {
+	c.t.Helper()
+	var p *corev1.Pod
+	c.waitFor("pod "+name+" ready", startTimeout, func() (bool, error) {
+		var err error
+		p, err = c.cs.CoreV1().Pods(c.ns).Get(c.ctx, name, metav1.GetOptions{})
+		return err == nil && podReady(p), err
+	})
+	return p
+}
+
+// waitEvent waits for an event about the named object whose reason is
+// reason and whose message contains every one of parts, and returns it.
+func (c *cluster) waitEvent(object, reason string, timeout time.Duration, parts ...string) corev1.Event {
+	c.t.Helper()
+	return c.waitEventMatch(object, reason, timeout, fmt.Sprintf("%q", parts), func(msg string) bool {
+		for _, part := range parts {
+			if !strings.Contains(msg, part) {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// waitEventMatch waits for an event about the named object whose reason is
+// reason and whose message satisfies match (described by what).
+func (c *cluster) waitEventMatch(object, reason string, timeout time.Duration, what string, match func(string) bool) corev1.Event {
+	c.t.Helper()
+	var found corev1.Event
+	c.waitFor(fmt.Sprintf("a %s event on %s saying %s", reason, object, what), timeout, func() (bool, error) {
+		evs, err := c.cs.CoreV1().Events(c.ns).List(c.ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + object})
+		if err != nil {
+			return false, err
+		}
+		for _, e := range evs.Items {
+			if e.Reason == reason && match(e.Message) {
+				found = e
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+	return found
+}
+
+// stillNotRunning asserts the pod stays without a running container for a
+// while: what "stays ContainerCreating" means.
+func (c *cluster) stillNotRunning(name string, for_ time.Duration) {
+	c.t.Helper()
+	end := time.Now().Add(for_)
+	for time.Now().Before(end) {
+		p := c.pod(name)
+		if p.Status.Phase == corev1.PodRunning || podReady(p) {
+			c.t.Fatalf("pod %s on %s is %s, but must not run", name, p.Spec.NodeName, p.Status.Phase)
+		}
+		time.Sleep(time.Second)
+	}
+}
+
+// exec runs a command in the pod's first container and returns its output.
+func (c *cluster) exec(pod string, cmd ...string) (stdout, stderr string, err error) {
+	req := c.cs.CoreV1().RESTClient().Post().Resource("pods").Name(pod).Namespace(c.ns).SubResource("exec").
+		VersionedParams(&corev1.PodExecOptions{Command: cmd, Stdout: true, Stderr: true}, scheme.ParameterCodec)
+	ex, err := remotecommand.NewSPDYExecutor(c.cfg, "POST", req.URL())
+	if err != nil {
+		return "", "", err
+	}
+	var out, errOut bytes.Buffer
+	ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
+	defer cancel()
+	err = ex.StreamWithContext(ctx, remotecommand.StreamOptions{Stdout: &out, Stderr: &errOut})
+	return out.String(), errOut.String(), err
+}
+
+// mustExec is exec that fails the test on an error.
+func (c *cluster) mustExec(pod string, cmd ...string) string {
+	c.t.Helper()
+	out, errOut, err := c.exec(pod, cmd...)
+	if err != nil {
+		c.t.Fatalf("exec %v in %s: %v (stderr %q)", cmd, pod, err, errOut)
+	}
+	return out
+}
+
+// boundPV waits for the claim to be bound and returns its volume.
+func (c *cluster) boundPV(claim string) *corev1.PersistentVolume {
+	c.t.Helper()
+	var pvName string
+	c.waitFor("claim "+claim+" bound", startTimeout, func() (bool, error) {
+		pvc, err := c.cs.CoreV1().PersistentVolumeClaims(c.ns).Get(c.ctx, claim, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		pvName = pvc.Spec.VolumeName
+		return pvc.Status.Phase == corev1.ClaimBound, nil
+	})
+	pv, err := c.cs.CoreV1().PersistentVolumes().Get(c.ctx, pvName, metav1.GetOptions{})
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	return pv
+}
+
+// pvZones returns the zones the volume's node affinity allows.
+func pvZones(pv *corev1.PersistentVolume) []string {
+	var zones []string
+	if pv.Spec.NodeAffinity == nil || pv.Spec.NodeAffinity.Required == nil {
+		return nil
+	}
+	for _, term := range pv.Spec.NodeAffinity.Required.NodeSelectorTerms {
+		for _, e := range term.MatchExpressions {
+			if e.Key == zoneKey && e.Operator == corev1.NodeSelectorOpIn {
+				zones = append(zones, e.Values...)
+			}
+		}
+	}
+	return zones
+}
+
+// zoneOf returns the zone label of a node.
+func (c *cluster) zoneOf(node string) string {
+	c.t.Helper()
+	n, err := c.cs.CoreV1().Nodes().Get(c.ctx, node, metav1.GetOptions{})
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	return n.Labels["topology.kubernetes.io/zone"]
+}
+
+// attachment returns the VolumeAttachment of pv to node, or nil.
+func (c *cluster) attachment(pv, node string) *storagev1.VolumeAttachment {
+	c.t.Helper()
+	vas, err := c.cs.StorageV1().VolumeAttachments().List(c.ctx, metav1.ListOptions{})
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	for i, va := range vas.Items {
+		if va.Spec.Source.PersistentVolumeName != nil && *va.Spec.Source.PersistentVolumeName == pv && va.Spec.NodeName == node {
+			return &vas.Items[i]
+		}
+	}
+	return nil
+}
+
+// blockImage is where the block backend keeps a volume's image in its pool.
+func (c *cluster) blockImage(pv *corev1.PersistentVolume, zone string) string {
+	return filepath.Join(c.build, "modeguard-local", "pools", zone, "volumes",
+		strings.ReplaceAll(pv.Spec.CSI.VolumeHandle, ":", "_")+".img")
+}
+
+// deleteAndWait deletes the named claim and waits for its volume to be gone.
+func (c *cluster) deleteClaimAndWait(claim, pv string) {
+	c.t.Helper()
+	if err := c.cs.CoreV1().PersistentVolumeClaims(c.ns).Delete(c.ctx, claim, metav1.DeleteOptions{}); err != nil {
+		c.t.Fatal(err)
+	}
+	c.waitFor("volume "+pv+" deleted", startTimeout, func() (bool, error) {
+		_, err := c.cs.CoreV1().PersistentVolumes().Get(c.ctx, pv, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), err
+	})
+}
+
+// deletePodAndWait deletes a pod and waits until it is gone.
+func (c *cluster) deletePodAndWait(name string) {
+	c.t.Helper()
+	zero := int64(0)
+	if err := c.cs.CoreV1().Pods(c.ns).Delete(c.ctx, name, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
+		c.t.Fatal(err)
+	}
+	c.waitFor("pod "+name+" gone", startTimeout, func() (bool, error) {
+		_, err := c.cs.CoreV1().Pods(c.ns).Get(c.ctx, name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), err
+	})
+}
+
+// podSpecOf returns the pod template of a workload object, or nil.
+func podSpecOf(obj runtime.Object) *corev1.PodSpec {
+	switch o := obj.(type) {
+	case *corev1.Pod:
+		return &o.Spec
+	case *appsv1.Deployment:
+		return &o.Spec.Template.Spec
+	case *appsv1.StatefulSet:
+		return &o.Spec.Template.Spec
+	}
+	return nil
+}
+
+// find returns the object of type T named name among objs.
+func find[T interface {
+	runtime.Object
+	GetName() string
+}](t *testing.T, objs []runtime.Object, name string) T {
+	t.Helper()
+	for _, o := range objs {
+		if v, ok := o.(T); ok && v.GetName() == name {
+			return v
+		}
+	}
+	var zero T
+	t.Fatalf("no %T named %s in the example", zero, name)
+	return zero
+}
