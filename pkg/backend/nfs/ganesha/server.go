@@ -459,7 +459,16 @@ func (s *Server) startGanesha(ctx context.Context) (*proc, error) {
 		"-p", s.path(GaneshaPIDName),
 		"-N", s.cfg.LogLevel,
 	)
-	cmd.Env = append(os.Environ(), "DBUS_SYSTEM_BUS_ADDRESS="+s.DBusAddress())
+	// BLKID_FILE=/dev/null: ganesha tells filesystems apart by the UUID
+	// libblkid reports for their device, and libblkid trusts its cache file
+	// (/run/blkid/blkid.tab) for up to 200 seconds without probing again. A
+	// loop device re-bound to another image (every restart binds the images
+	// anew) then reports the UUID of the image it held before; when that
+	// image is mounted on another device too, ganesha takes the two for one
+	// filesystem, skips one, and refuses its export ("resolve_posix_filesystem
+	// ... No such file or directory"). Without a cache file each ganesha
+	// starts from what the devices hold now.
+	cmd.Env = append(os.Environ(), "DBUS_SYSTEM_BUS_ADDRESS="+s.DBusAddress(), "BLKID_FILE=/dev/null")
 	p, err := s.spawn(cmd, GaneshaOutName)
 	if err != nil {
 		return nil, err
