@@ -5,7 +5,7 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 GOTEST_FLAGS ?= -race -count=1
 
-.PHONY: all build image cluster-up cluster-down demo test test-vm test-e2e test-unit test-integration test-sanity vet fmt-check clean
+.PHONY: all build image bench cluster-up cluster-down demo test test-vm test-e2e test-unit test-integration test-sanity vet fmt-check clean
 
 all: build
 
@@ -63,6 +63,13 @@ test-e2e:
 	else rc=1; fi; \
 	bash hack/local-cluster/down.sh || rc=$${rc/#0/1}; \
 	exit $$rc
+
+# Speed and memory, measured through the driver's gRPC sockets with real
+# loop devices and a real ganesha (test/bench); results in docs/benchmarks.md.
+# BENCH_FLAGS=-only=lifecycle,... picks measurements (go run ./test/bench -h).
+bench: build
+	@command -v fio >/dev/null || { apt-get install -y -qq fio >/dev/null || { apt-get update -qq && apt-get install -y -qq fio >/dev/null; }; }
+	$(GO) run ./test/bench -binary bin/modeguard $(BENCH_FLAGS)
 
 demo: build ## a controller and three node plugins in two zones, walked through the stories
 	./bin/modeguard demo
