@@ -7,6 +7,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"syscall"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -18,7 +19,7 @@ import (
 
 // Listen opens the endpoint: unix:///path/to/socket or tcp://host:port.
 // A stale socket file is replaced; the socket is made 0660, so only root and
-// the socket's group can reach the driver.
+// the socket's group can reach the driver, whatever the process's umask.
 func Listen(endpoint string) (net.Listener, error) {
 	u, err := url.Parse(endpoint)
 	if err != nil {
@@ -39,7 +40,15 @@ func Listen(endpoint string) (net.Listener, error) {
 		if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
 			return nil, fmt.Errorf("removing stale socket %s: %w", path, err)
 		}
+		// bind(2) creates the socket with 0777 less the umask, and until
+		// the chmod below it would take connections from every user the
+		// umask lets in (all of them under umask 0); a connection made in
+		// that moment stays open. A umask of 077 while binding makes the
+		// socket 0700 from its first instant. The umask is the process's,
+		// so anything created meanwhile can only come out more private.
+		old := syscall.Umask(0o077)
 		l, err := net.Listen("unix", path)
+		syscall.Umask(old)
 		if err != nil {
 			return nil, err
 		}

@@ -334,8 +334,11 @@ func (c *Controller) export(rec *volumeRecord) (ganesha.Export, error) {
 		ID: rec.ExportID, Path: c.dir(c.volumeRel(id)), Pseudo: pseudo(id),
 		Squash: ganesha.Squash("root_squash"), Comment: "modeguard volume " + rec.Volume.ID,
 	}
+	// Only a value that clearly says false turns squashing off: a value
+	// ParseBool cannot read (the driver refuses it at CreateVolume, but a
+	// record may come from elsewhere) keeps the safe default.
 	if rs, ok := rec.Volume.Parameters["rootSquash"]; ok {
-		if b, _ := strconv.ParseBool(rs); !b {
+		if b, err := strconv.ParseBool(rs); err == nil && !b {
 			e.Squash = ganesha.Squash("no_root_squash")
 		}
 	}

@@ -1,0 +1,329 @@
+package nfs_test
+
+import (
+	"context"
+	"io/fs"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/backend/nfs"
+	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha"
+	"github.com/modeguard/modeguard/pkg/nodeid"
+	"github.com/modeguard/modeguard/pkg/volumeid"
+)
+
+// recordingGanesha keeps the export file as it was each time ganesha was
+// told to apply it: what ganesha would have served.
+type recordingGanesha struct{ applied map[uint16]string }
+
+func (r *recordingGanesha) ApplyExport(_ context.Context, confPath string, id uint16) error {
+	data, err := os.ReadFile(confPath)
+	if err != nil {
+		return err
+	}
+	r.applied[id] = string(data)
+	return nil
+}
+func (r *recordingGanesha) RemoveExport(_ context.Context, id uint16) error {
+	delete(r.applied, id)
+	return nil
+}
+func (r *recordingGanesha) Exports(context.Context) ([]ganesha.ExportInfo, error) { return nil, nil }
+
+// servedExport is what an export file grants.
+type servedExport struct {
+	access  string            // the export block's own Access_Type
+	squash  []string          // every Squash line, export and clients
+	clients map[string]string // Clients value -> its Access_Type
+}
+
+// parseExport reads an export file line by line; ganesha.Render writes one
+// setting per line, and anything else here fails the test.
+func parseExport(t *testing.T, file string) servedExport {
+	t.Helper()
+	e := servedExport{clients: map[string]string{}}
+	client, inClient := "", false
+	for _, raw := range strings.Split(file, "\n") {
+		line := strings.TrimSuffix(strings.TrimSpace(raw), ";")
+		key, val, _ := strings.Cut(line, " = ")
+		switch {
+		case line == "CLIENT {":
+			inClient, client = true, ""
+		case line == "}" && inClient:
+			if client == "" {
+				t.Errorf("a CLIENT block without Clients:\n%s", file)
+			}
+			inClient = false
+		case key == "Clients":
+			client = val
+			e.clients[client] = ""
+		case key == "Access_Type" && inClient:
+			e.clients[client] = val
+		case key == "Access_Type":
+			e.access = val
+		case key == "Squash":
+			e.squash = append(e.squash, val)
+		}
+	}
+	return e
+}
+
+// TestExportsOpenOnlyToPublishedNodes follows one volume's export through
+// publishes and unpublishes and checks, in the file ganesha is given each
+// time, that the export itself grants nothing, that its clients are exactly
+// the published nodes' single addresses with RW or RO as recorded (never a
+// wildcard, network or host name), and that root is squashed unless the
+// volume's parameters say rootSquash=false in so many words.
+func TestExportsOpenOnlyToPublishedNodes(t *testing.T) {
+	ctx := context.Background()
+	root, exportDir := t.TempDir(), t.TempDir()
+	ctrl, err := nfs.NewController(ctx, nfs.Config{Storage: dirStorage{root}, ExportDir: exportDir, Server: "10.0.0.1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := &recordingGanesha{applied: map[uint16]string{}}
+	if err := ctrl.Start(ctx, g); err != nil {
+		t.Fatal(err)
+	}
+	node := func(name, addr string) string {
+		return nodeid.Node{Name: name, Zone: "zone-a", Address: addr}.String()
+	}
+	n1, n2, n3 := node("n1", "10.0.0.11"), node("n2", "fd00::12"), node("n3", "10.0.0.13")
+	create := func(name string, params map[string]string) volumeid.ID {
+		t.Helper()
+		id, err := volumeid.New(accessmode.BackendNFS, "", volumeid.Volume, volumeid.KeyFor("test", volumeid.Volume, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ctrl.CreateVolume(ctx, backend.VolumeSpec{
+			ID: id, Name: name, CapacityBytes: 1 << 20, AccessType: accessmode.Mount,
+			Modes: []accessmode.Mode{accessmode.MultiNodeMultiWriter}, Parameters: params,
+		}); err != nil {
+			t.Fatalf("CreateVolume %s: %v", name, err)
+		}
+		return id
+	}
+	// served is the volume's export file, checked to be what ganesha was
+	// last told to apply for its export id.
+	served := func(id volumeid.ID) string {
+		t.Helper()
+		data, err := os.ReadFile(filepath.Join(exportDir, id.FileName()+".conf"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		eid := -1
+		for _, l := range strings.Split(string(data), "\n") {
+			if v, ok := strings.CutPrefix(strings.TrimSpace(l), "Export_Id = "); ok {
+				eid, _ = strconv.Atoi(strings.TrimSuffix(v, ";"))
+			}
+		}
+		if got, ok := g.applied[uint16(eid)]; eid <= 0 || !ok || got != string(data) {
+			t.Fatalf("ganesha was not given the export file of %s as it is now:\n%s", id, data)
+		}
+		return string(data)
+	}
+	// check compares what ganesha was last given for id with want
+	// (address -> RW/RO) and the squash every line must carry.
+	check := func(step string, id volumeid.ID, want map[string]string, squash string) {
+		t.Helper()
+		e := parseExport(t, served(id))
+		if e.access != "None" {
+			t.Errorf("%s: the export grants Access_Type = %q to clients it does not list; want None", step, e.access)
+		}
+		for c := range e.clients {
+			if a, err := netip.ParseAddr(c); err != nil || a.IsUnspecified() || a.String() != c {
+				t.Errorf("%s: client %q is not one plain address (a wildcard, network or name would let in more than the node)", step, c)
+			}
+		}
+		if len(e.clients) != len(want) {
+			t.Errorf("%s: clients %v, want exactly %v", step, e.clients, want)
+		}
+		for addr, access := range want {
+			if e.clients[addr] != access {
+				t.Errorf("%s: client %s has %q, want %q (clients %v)", step, addr, e.clients[addr], access, e.clients)
+			}
+		}
+		if len(e.squash) != 1+len(want) {
+			t.Errorf("%s: %d Squash lines for %d clients", step, len(e.squash), len(want))
+		}
+		for _, s := range e.squash {
+			if s != squash {
+				t.Errorf("%s: Squash = %s, want %s", step, s, squash)
+			}
+		}
+		// The controller's own account, which `modeguard inspect` shows,
+		// says the same.
+		rules, err := ctrl.ClientList(id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(rules) != len(want) {
+			t.Errorf("%s: ClientList %v, want %v", step, rules, want)
+		}
+		for _, r := range rules {
+			if acc := map[bool]string{true: "RO", false: "RW"}[r.ReadOnly]; want[r.Address.String()] != acc {
+				t.Errorf("%s: ClientList has %s %s, want %q", step, r.Address, acc, want[r.Address.String()])
+			}
+		}
+	}
+	attach := func(step string, id volumeid.ID, atts ...accessmode.Attachment) {
+		t.Helper()
+		if _, err := ctrl.SetAttachments(ctx, id, atts); err != nil {
+			t.Fatalf("%s: %v", step, err)
+		}
+	}
+	rw := func(n string) accessmode.Attachment {
+		return accessmode.Attachment{NodeID: n, Mode: accessmode.MultiNodeMultiWriter}
+	}
+	ro := func(n string) accessmode.Attachment {
+		return accessmode.Attachment{NodeID: n, Mode: accessmode.MultiNodeMultiWriter, ReadOnly: true}
+	}
+
+	vol := create("follows", nil)
+	check("created", vol, map[string]string{}, "root_squash")
+	attach("published to n1", vol, rw(n1))
+	check("published to n1", vol, map[string]string{"10.0.0.11": "RW"}, "root_squash")
+	attach("published to n1 and n2 (ro)", vol, rw(n1), ro(n2))
+	check("published to n1 and n2 (ro)", vol, map[string]string{"10.0.0.11": "RW", "fd00::12": "RO"}, "root_squash")
+	attach("unpublished from n1", vol, ro(n2))
+	check("unpublished from n1", vol, map[string]string{"fd00::12": "RO"}, "root_squash")
+
+	// A node without an address, or two nodes behind one address, cannot be
+	// told apart by the server: refused, and the export stays as it was.
+	for _, bad := range [][]accessmode.Attachment{
+		{ro(n2), rw("n4@zone-a")},
+		{ro(n2), rw(n3), rw(node("n5", "10.0.0.13"))},
+	} {
+		_, err := ctrl.SetAttachments(ctx, vol, bad)
+		if status.Code(err) != codes.FailedPrecondition {
+			t.Errorf("attachments %v: %v, want FAILED_PRECONDITION", bad, err)
+		}
+		check("after a refused publish", vol, map[string]string{"fd00::12": "RO"}, "root_squash")
+	}
+	attach("unpublished everywhere", vol)
+	check("unpublished everywhere", vol, map[string]string{}, "root_squash")
+
+	// Squashing: on by default, off only for a value that reads as false.
+	for _, tc := range []struct {
+		value, want string
+	}{
+		{"true", "root_squash"}, {"false", "no_root_squash"}, {"0", "no_root_squash"},
+		{"", "root_squash"}, {"no", "root_squash"}, {"off", "root_squash"}, {"garbage", "root_squash"},
+	} {
+		id := create("squash-"+tc.value, map[string]string{"rootSquash": tc.value})
+		attach("squash "+tc.value, id, rw(n3))
+		check("rootSquash="+tc.value, id, map[string]string{"10.0.0.13": "RW"}, tc.want)
+	}
+
+	// A restarted controller renders the same export files from the records
+	// before ganesha starts: nothing is served wider after a crash.
+	before, err := os.ReadFile(filepath.Join(exportDir, vol.FileName()+".conf"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(exportDir, vol.FileName()+".conf"), []byte("EXPORT { Access_Type = RW; }\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := nfs.NewController(ctx, nfs.Config{Storage: dirStorage{root}, ExportDir: exportDir, Server: "10.0.0.1"}); err != nil {
+		t.Fatal(err)
+	}
+	if after, _ := os.ReadFile(filepath.Join(exportDir, vol.FileName()+".conf")); string(after) != string(before) {
+		t.Errorf("after a restart the export file is\n%s\nwant it rendered from the record again:\n%s", after, before)
+	}
+
+	if err := ctrl.DeleteVolume(ctx, vol); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(exportDir, vol.FileName()+".conf")); !os.IsNotExist(err) {
+		t.Errorf("the export file of a deleted volume is still there: %v", err)
+	}
+}
+
+// TestNFSRecordsArePrivate checks, under umask 0, the modes of what the NFS
+// controller writes: records and export files 0600, its directories
+// writable by root only, and the directory above the exported volumes
+// 0711, which lets squashed users through to their export without letting
+// anyone list or change the volumes.
+func TestNFSRecordsArePrivate(t *testing.T) {
+	old := syscall.Umask(0)
+	t.Cleanup(func() { syscall.Umask(old) })
+	ctx := context.Background()
+	base := t.TempDir()
+	root, exportDir := filepath.Join(base, "root"), filepath.Join(base, "exports")
+	if err := os.Mkdir(root, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	ctrl, err := nfs.NewController(ctx, nfs.Config{Storage: dirStorage{root}, ExportDir: exportDir, Server: "10.0.0.1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ctrl.Start(ctx, &recordingGanesha{applied: map[uint16]string{}}); err != nil {
+		t.Fatal(err)
+	}
+	vid, _ := volumeid.New(accessmode.BackendNFS, "", volumeid.Volume, volumeid.KeyFor("test", volumeid.Volume, "v"))
+	if _, err := ctrl.CreateVolume(ctx, backend.VolumeSpec{ID: vid, Name: "v", CapacityBytes: 1 << 20,
+		AccessType: accessmode.Mount, Modes: []accessmode.Mode{accessmode.MultiNodeMultiWriter}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ctrl.SetAttachments(ctx, vid, []accessmode.Attachment{{
+		NodeID: nodeid.Node{Name: "n1", Zone: "zone-a", Address: "10.0.0.11"}.String(), Mode: accessmode.MultiNodeMultiWriter}}); err != nil {
+		t.Fatal(err)
+	}
+	sid, _ := volumeid.New(accessmode.BackendNFS, "", volumeid.Snapshot, volumeid.KeyFor("test", volumeid.Snapshot, "s"))
+	if _, err := ctrl.CreateSnapshot(ctx, sid, "s", vid); err != nil {
+		t.Fatal(err)
+	}
+
+	if fi, err := os.Stat(filepath.Join(root, "volumes")); err != nil || fi.Mode().Perm() != 0o711 {
+		t.Errorf("volumes directory: %v %v, want 0711", fi.Mode(), err)
+	}
+	var files []string
+	for _, dir := range []string{filepath.Join(root, "meta"), exportDir, filepath.Join(root, "snapshots")} {
+		err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+			if err != nil {
+				return err
+			}
+			if p != dir && filepath.Dir(p) == filepath.Join(root, "snapshots") {
+				return fs.SkipDir // a snapshot's data: the storage's, not the controller's
+			}
+			fi, err := d.Info()
+			if err != nil {
+				return err
+			}
+			switch m := fi.Mode(); {
+			case m.IsDir() && m.Perm() != 0o700:
+				t.Errorf("directory %s is %v, want 0700", p, m)
+			case m.IsRegular() && m.Perm() != 0o600:
+				t.Errorf("file %s is %v, want -rw-------", p, m)
+			case m.IsRegular():
+				files = append(files, strings.TrimPrefix(p, base))
+			case !m.IsDir():
+				t.Errorf("%s is %v", p, m)
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	slices.Sort(files)
+	want := []string{
+		"/exports/" + vid.FileName() + ".conf",
+		"/root/meta/snapshots/" + sid.FileName() + ".json",
+		"/root/meta/volumes/" + vid.FileName() + ".json",
+	}
+	if !slices.Equal(files, want) {
+		t.Errorf("files walked %v, want %v", files, want)
+	}
+}
