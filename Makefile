@@ -5,7 +5,7 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 GOTEST_FLAGS ?= -race -count=1
 
-.PHONY: all build image bench cluster-up cluster-down demo test test-vm test-e2e test-unit test-integration test-sanity vet fmt-check clean
+.PHONY: all build image bench cluster-up cluster-down demo test test-vm test-e2e test-unit test-integration test-sanity fuzz vet fmt-check clean
 
 all: build
 
@@ -78,6 +78,7 @@ demo: build ## a controller and three node plugins in two zones, walked through 
 # (and say so) when run unprivileged; CI runs them as root.
 test: fmt-check vet build
 	$(GO) test $(GOTEST_FLAGS) -timeout 20m ./...
+	$(MAKE) fuzz FUZZTIME=5s
 	$(MAKE) test-vm
 	$(MAKE) test-e2e
 	bash hack/check-leftovers.sh
@@ -95,6 +96,23 @@ test-integration: build
 
 test-sanity:
 	$(GO) test $(GOTEST_FLAGS) -timeout 15m ./test/sanity/...
+
+# Every fuzz target (func FuzzXxx in a _test.go file under pkg/ or cmd/),
+# each fuzzed for FUZZTIME: go test fuzzes one target of one package per
+# run. The committed corpora (testdata/fuzz) run with plain go test as
+# well; a failure here leaves its input under testdata/fuzz to keep.
+FUZZTIME ?= 10s
+fuzz:
+	@set -e; n=0; \
+	for f in $$(grep -rlE '^func Fuzz[A-Za-z0-9_]*\(' --include='*_test.go' pkg cmd | sort); do \
+		for t in $$(sed -nE 's/^func (Fuzz[A-Za-z0-9_]*)\(.*/\1/p' $$f); do \
+			echo "== $$t ./$$(dirname $$f)"; \
+			$(GO) test -run='^$$' -fuzz="^$$t\$$" -fuzztime=$(FUZZTIME) ./$$(dirname $$f)/; \
+			n=$$((n+1)); \
+		done; \
+	done; \
+	[ $$n -gt 0 ] || { echo "make fuzz: no fuzz targets found"; exit 1; }; \
+	echo "make fuzz: $$n targets, $(FUZZTIME) each, no failure"
 
 vet:
 	$(GO) vet ./...

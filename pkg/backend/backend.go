@@ -7,6 +7,8 @@ package backend
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"time"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
@@ -136,6 +138,25 @@ type StageRequest struct {
 	ReadOnly       bool // effective: the mode, the CO's flag and the attachment combined
 	PublishContext map[string]string
 	VolumeContext  map[string]string
+	// Recover says an earlier stage of this volume on this node was
+	// interrupted after it began: clean up what it may have left (a device
+	// bound to the volume that nothing uses) before staging again.
+	Recover bool
+}
+
+// CheckMountFlags refuses mount flags that could change the options a node
+// backend puts after them. mount(8), mount.nfs and the kernel read a comma
+// inside double quotes as part of one option, so a quote in a flag could
+// join the backend's own options, "ro" among them, to it and make them
+// vanish, or hide an option from the backend's own reading of the flags.
+// No mount option holds a control character; NUL cannot even reach mount(8).
+func CheckMountFlags(flags []string) error {
+	for _, f := range flags {
+		if i := strings.IndexFunc(f, func(r rune) bool { return r == '"' || r < 0x20 || r == 0x7f }); i >= 0 {
+			return fmt.Errorf("mount flag %q holds %q; mount flags may hold neither double quotes nor control characters", f, f[i])
+		}
+	}
+	return nil
 }
 
 // Staged is what a node backend did for a volume, kept in the node's state

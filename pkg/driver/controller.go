@@ -82,6 +82,9 @@ func parseCapability(c *csi.VolumeCapability) (accessmode.AccessType, string, ac
 				return "", "", 0, err
 			}
 		}
+		if err := backend.CheckMountFlags(at.Mount.GetMountFlags()); err != nil {
+			return "", "", 0, status.Error(codes.InvalidArgument, err.Error())
+		}
 		return accessmode.Mount, fs, mode, nil
 	case *csi.VolumeCapability_Block:
 		return accessmode.Block, "", mode, nil

@@ -1,0 +1,158 @@
+package driver
+
+import (
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+)
+
+// FuzzParseParams: ParseParams either refuses with InvalidArgument and the
+// zero Params, or returns values from the documented sets, each taken from
+// the key that names it, and every key it let through is a documented one
+// or Kubernetes' own.
+func FuzzParseParams(f *testing.F) {
+	for _, s := range [][6]string{
+		{"backend", "block", "fsType", "xfs", "rootSquash", "false"},
+		{"backend", "auto", "csi.storage.k8s.io/fstype", "ext4", "csi.storage.k8s.io/pvc/name", "data-0"},
+		{"fsType", "xfs", "csi.storage.k8s.io/fstype", "ext4", "", ""},
+		{"backend", "Block", "fsType", "EXT4", "rootSquash", "maybe"},
+		{"rootSquash", "1", "csi.storage.k8s.io/fstype", "", "Backend", "nfs"},
+		{"csi.storage.k8s.io", "x", "csi.storage.k8s.io.evil/x", "x", "backend", "nfs"},
+		{"backend", "nfs\x00", "fsType", "ext4\n", "rootSquash", " true"},
+	} {
+		f.Add(s[0], s[1], s[2], s[3], s[4], s[5])
+	}
+	f.Fuzz(func(t *testing.T, k1, v1, k2, v2, k3, v3 string) {
+		in := map[string]string{k1: v1, k2: v2, k3: v3}
+		p, err := ParseParams(in)
+		if err != nil {
+			if status.Code(err) != codes.InvalidArgument {
+				t.Fatalf("ParseParams(%q): code %v, want InvalidArgument (%v)", in, status.Code(err), err)
+			}
+			if p != (Params{}) {
+				t.Fatalf("ParseParams(%q) failed (%v) but returned %+v", in, err, p)
+			}
+			return
+		}
+		if again, err := ParseParams(in); err != nil || again != p {
+			t.Fatalf("ParseParams(%q) = %+v, then %+v, %v", in, p, again, err)
+		}
+		if !slices.Contains([]string{"block", "nfs", BackendAuto}, p.Backend) {
+			t.Fatalf("ParseParams(%q): backend %q", in, p.Backend)
+		}
+		if p.FsType != "" && !slices.Contains(supportedFsTypes, p.FsType) {
+			t.Fatalf("ParseParams(%q): fsType %q", in, p.FsType)
+		}
+		for k := range in {
+			if !slices.Contains(acceptedParams, k) && !strings.HasPrefix(k, kubernetesParamPrefix) {
+				t.Fatalf("ParseParams(%q) accepted the key %q", in, k)
+			}
+		}
+		wantBackend := BackendAuto
+		if v, ok := in[ParamBackend]; ok {
+			wantBackend = v
+		}
+		wantSquash := true
+		if v, ok := in[ParamRootSquash]; ok {
+			wantSquash, _ = strconv.ParseBool(v)
+		}
+		wantFs := in[ParamFsType]
+		if wantFs == "" {
+			wantFs = in[kubernetesParamPrefix+"fstype"]
+		}
+		if want := (Params{Backend: wantBackend, FsType: wantFs, RootSquash: wantSquash}); p != want {
+			t.Fatalf("ParseParams(%q) = %+v, want %+v", in, p, want)
+		}
+	})
+}
+
+// mountSplit splits a mount option string as mount(8) (libmount) and
+// mount.nfs do: at commas outside double quotes. ok is false when a quote
+// is left open, which makes them drop or swallow the rest of the string.
+func mountSplit(optstr string) (opts []string, ok bool) {
+	quoted, start := false, 0
+	for i := 0; i < len(optstr); i++ {
+		switch optstr[i] {
+		case '"':
+			quoted = !quoted
+		case ',':
+			if !quoted {
+				opts = append(opts, optstr[start:i])
+				start = i + 1
+			}
+		}
+	}
+	return append(opts, optstr[start:]), !quoted
+}
+
+// unsafeFlag reports whether a mount flag holds what parseCapability
+// refuses: a double quote or a control character.
+func unsafeFlag(f string) bool {
+	return strings.ContainsFunc(f, func(r rune) bool { return r == '"' || r < 0x20 || r == 0x7f })
+}
+
+// FuzzParseCapability: a capability parseCapability accepts has a defined
+// mode and a filesystem from the supported set, and its mount flags are
+// such that mount(8) splits them, and the options the node backends put
+// after them ("ro" last of all on a read-only stage), exactly where the
+// driver does: no flag can hide or inject another option. Flags never hold
+// a double quote, NUL, a line break or another control character, and a
+// capability is refused for nothing else.
+func FuzzParseCapability(f *testing.F) {
+	f.Add(int32(accessmode.SingleNodeWriter), false, "ext4", uint8(1), "noatime", "", "")
+	f.Add(int32(accessmode.MultiNodeReaderOnly), false, "", uint8(3), "vers=4.1", "soft,timeo=100", "rw")
+	f.Add(int32(accessmode.MultiNodeMultiWriter), true, "", uint8(0), "", "", "")
+	f.Add(int32(accessmode.SingleNodeReaderOnly), false, "btrfs", uint8(1), "noatime", "", "")
+	f.Add(int32(0), false, "ext4", uint8(0), "", "", "")
+	f.Add(int32(8), true, "", uint8(0), "", "", "")
+	f.Add(int32(accessmode.SingleNodeReaderOnly), false, "xfs", uint8(2), "noatime\x00", "nodev\nrw", "")
+	f.Fuzz(func(t *testing.T, mode int32, block bool, fsType string, n uint8, f1, f2, f3 string) {
+		flags := []string{f1, f2, f3}[:n%4]
+		c := &csi.VolumeCapability{AccessMode: &csi.VolumeCapability_AccessMode{Mode: accessmode.Mode(mode)}}
+		if block {
+			c.AccessType = &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}
+		} else {
+			c.AccessType = &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: fsType, MountFlags: flags}}
+		}
+		at, fs, m, err := parseCapability(c)
+		if err != nil {
+			if status.Code(err) != codes.InvalidArgument {
+				t.Fatalf("parseCapability(%v): code %v, want InvalidArgument (%v)", c, status.Code(err), err)
+			}
+			fsOK := block || fsType == "" || slices.Contains(supportedFsTypes, fsType)
+			if accessmode.Valid(accessmode.Mode(mode)) && fsOK && (block || !slices.ContainsFunc(flags, unsafeFlag)) {
+				t.Fatalf("parseCapability(%v) refused a good capability: %v", c, err)
+			}
+			return
+		}
+		if m != accessmode.Mode(mode) || !accessmode.Valid(m) {
+			t.Fatalf("parseCapability(%v): mode %v", c, m)
+		}
+		if block {
+			if at != accessmode.Block || fs != "" {
+				t.Fatalf("parseCapability(%v) = %s, %q", c, at, fs)
+			}
+			return
+		}
+		if at != accessmode.Mount || fs != fsType || (fs != "" && !slices.Contains(supportedFsTypes, fs)) {
+			t.Fatalf("parseCapability(%v) = %s, %q", c, at, fs)
+		}
+		for _, fl := range flags {
+			if unsafeFlag(fl) {
+				t.Fatalf("parseCapability accepted the mount flag %q", fl)
+			}
+		}
+		optstr := strings.Join(append(slices.Clone(flags), "ro"), ",")
+		got, ok := mountSplit(optstr)
+		if want := strings.Split(optstr, ","); !ok || !slices.Equal(got, want) {
+			t.Fatalf("parseCapability accepted the mount flags %q, which mount(8) reads as %q, not %q", flags, got, want)
+		}
+	})
+}

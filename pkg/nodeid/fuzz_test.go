@@ -1,0 +1,108 @@
+package nodeid
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+)
+
+// labelValue reports whether s is what the package documents for a name
+// or a zone: a non-empty Kubernetes label value.
+func labelValue(s string) bool {
+	if s == "" || len(s) > 63 {
+		return false
+	}
+	alnum := func(c byte) bool { return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' }
+	for i := 0; i < len(s); i++ {
+		if !alnum(s[i]) && s[i] != '-' && s[i] != '_' && s[i] != '.' {
+			return false
+		}
+	}
+	return alnum(s[0]) && alnum(s[len(s)-1])
+}
+
+// FuzzParse: whatever Parse accepts validates, renders back to exactly the
+// string it came from and parses again to the same Node; its name and zone
+// are label values, so they can carry no '@', path separator, NUL, space or
+// line break, and can never be "." or "..". Whatever it refuses yields the
+// zero Node.
+func FuzzParse(f *testing.F) {
+	for _, s := range []string{
+		"worker-1@zone-a",
+		"worker-1@zone-a@10.99.0.11",
+		"n@z@2001:db8::1",
+		"worker-1@..",
+		"..@zone-a",
+		"a..b@zone-a",
+		"worker/1@zone-a",
+		"worker@zone-a@10.0.0.1@x",
+		"worker@zone-a@fe80::1%eth0",
+		"worker@zone-a@::ffff:10.0.0.1",
+		"worker\x00@zone-a",
+		"worker@zone-a\n",
+		"worker 1@zone-a",
+		"@",
+	} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		n, err := Parse(s)
+		if err != nil {
+			if n != (Node{}) {
+				t.Fatalf("Parse(%q) failed (%v) but returned %+v", s, err, n)
+			}
+			return
+		}
+		if err := n.Validate(); err != nil {
+			t.Fatalf("Parse(%q) = %+v, which does not validate: %v", s, n, err)
+		}
+		if got := n.String(); got != s {
+			t.Fatalf("Parse(%q).String() = %q", s, got)
+		}
+		again, err := Parse(n.String())
+		if err != nil || again != n {
+			t.Fatalf("Parse(String()) of %+v = %+v, %v", n, again, err)
+		}
+		for _, part := range []string{n.Name, n.Zone} {
+			if !labelValue(part) {
+				t.Fatalf("Parse(%q) accepted %q, which is not a label value", s, part)
+			}
+			if part == "." || part == ".." || strings.ContainsAny(part, "@/\\\x00\n\r\t ") {
+				t.Fatalf("Parse(%q) accepted the name or zone %q", s, part)
+			}
+		}
+		if n.Address != "" {
+			a, err := netip.ParseAddr(n.Address)
+			if err != nil || a.Zone() != "" || a.String() != n.Address {
+				t.Fatalf("Parse(%q) accepted the address %q", s, n.Address)
+			}
+		}
+	})
+}
+
+// FuzzStringParse: a Node that Validate accepts renders to an id that Parse
+// reads back to the same Node, so a node plugin never reports an id the
+// controller cannot read; a Node it refuses never renders to a valid id of
+// itself.
+func FuzzStringParse(f *testing.F) {
+	f.Add("worker-1", "zone-a", "")
+	f.Add("worker-1", "zone-a", "10.99.0.11")
+	f.Add("w@x", "z", "")
+	f.Add("w", "z@10.0.0.1", "")
+	f.Add("w", "z", "10.0.0.1@x")
+	f.Add("w", "z", "2001:DB8::1")
+	f.Add("w", "z", "fe80::1%lo")
+	f.Fuzz(func(t *testing.T, name, zone, address string) {
+		n := Node{Name: name, Zone: zone, Address: address}
+		got, err := Parse(n.String())
+		if n.Validate() != nil {
+			if err == nil && got == n {
+				t.Fatalf("Validate refuses %+v but Parse reads it from %q", n, n.String())
+			}
+			return
+		}
+		if err != nil || got != n {
+			t.Fatalf("Parse(%q) = %+v, %v; want %+v", n.String(), got, err, n)
+		}
+	})
+}
