@@ -22,6 +22,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/pkg/holders"
 	"github.com/modeguard/modeguard/pkg/metrics"
@@ -152,23 +153,40 @@ func (s *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		return nil, status.Errorf(codes.AlreadyExists,
 			"volume %s is already staged on this node at %s with other arguments; unstage it first", id, st.StagingPath)
 	}
+	// The stage is recorded as begun before anything is attached or
+	// mounted: a crash from here on leaves a record saying so, and the retry
+	// (or an unstage) cleans up what the crash left.
+	interrupted := rec.StagePending != ""
+	rec.StagePending = req.GetStagingTargetPath()
+	if err := s.d.holders.Save(id, rec); err != nil {
+		return nil, status.Errorf(codes.Internal, "recording the stage of %s as begun: %v", id, err)
+	}
 	staged, err := nb.Stage(ctx, backend.StageRequest{
 		VolumeID: id, NodeID: s.d.nodeID, StagingPath: req.GetStagingTargetPath(),
 		AccessType: accessType, FsType: fsType, MountFlags: flags, ReadOnly: readOnly,
 		PublishContext: req.GetPublishContext(), VolumeContext: req.GetVolumeContext(),
+		Recover: interrupted,
 	})
 	if err != nil {
+		// The backend undid its part of a failed stage.
+		rec.StagePending = ""
+		if serr := s.d.holders.Save(id, rec); serr != nil {
+			klog.ErrorS(serr, "Clearing the record of a failed stage", "volumeID", id)
+		}
 		return nil, err
 	}
+	fpStageBackendDone.Hit()
 	staged.Fingerprint = fp
 	staged.Since = time.Now().UTC()
 	rec.Staged = staged
+	rec.StagePending = ""
 	if err := s.d.holders.Save(id, rec); err != nil {
 		if uerr := nb.Unstage(ctx, staged); uerr != nil {
 			klog.ErrorS(uerr, "Undoing a stage whose record could not be written", "volumeID", id)
 		}
 		return nil, status.Errorf(codes.Internal, "recording the stage of %s: %v", id, err)
 	}
+	fpStageRecorded.Hit()
 	klog.InfoS("Volume staged", "volumeID", id, "stagingPath", staged.StagingPath, "device", staged.Device,
 		"readOnly", staged.ReadOnly)
 	return &csi.NodeStageVolumeResponse{}, nil
@@ -190,6 +208,20 @@ func (s *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 		return nil, err
 	}
 	defer release()
+	if rec.Staged == nil && rec.StagePending != "" {
+		// A stage was interrupted and never retried: undo what it may have
+		// done. The device is unknown, which tells the backend to look for
+		// one bound to the volume that nothing uses.
+		if err := nb.Unstage(ctx, &backend.Staged{VolumeID: id.String(), StagingPath: rec.StagePending, AccessType: accessmode.Mount}); err != nil {
+			return nil, err
+		}
+		rec.StagePending = ""
+		if err := s.d.holders.Save(id, rec); err != nil {
+			return nil, status.Error(codes.Internal, err.Error())
+		}
+		klog.InfoS("Cleaned up after an interrupted stage", "volumeID", id, "stagingPath", req.GetStagingTargetPath())
+		return &csi.NodeUnstageVolumeResponse{}, nil
+	}
 	if rec.Staged == nil {
 		return &csi.NodeUnstageVolumeResponse{}, nil
 	}
@@ -204,12 +236,23 @@ func (s *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	if err := nb.Unstage(ctx, rec.Staged); err != nil {
 		return nil, err
 	}
+	fpUnstageBackendDone.Hit()
 	if err := s.d.holders.Save(id, &holders.Record{}); err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
 	}
 	klog.InfoS("Volume unstaged", "volumeID", id, "stagingPath", req.GetStagingTargetPath())
 	return &csi.NodeUnstageVolumeResponse{}, nil
 }
+
+// Steps a test can kill the node plugin at (package faultpoint).
+var (
+	fpStageBackendDone      = faultpoint.New("node.stage.backend-staged")
+	fpStageRecorded         = faultpoint.New("node.stage.recorded")
+	fpPublishHolderRecorded = faultpoint.New("node.publish.holder-recorded")
+	fpPublishMounted        = faultpoint.New("node.publish.mounted")
+	fpUnpublishUnmounted    = faultpoint.New("node.unpublish.unmounted")
+	fpUnstageBackendDone    = faultpoint.New("node.unstage.backend-unstaged")
+)
 
 func workloadOf(volumeContext map[string]string) accessmode.Workload {
 	return accessmode.Workload{
@@ -284,6 +327,7 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		if err := s.d.holders.Save(id, rec.WithHolder(want)); err != nil {
 			return nil, status.Errorf(codes.Internal, "recording the holder of %s: %v", id, err)
 		}
+		fpPublishHolderRecorded.Hit()
 	}
 	if err := s.bindMount(staged, want.TargetPath, readOnly); err != nil {
 		if serr := s.d.holders.Save(id, rec.WithoutHolder(want.TargetPath)); serr != nil {
@@ -291,6 +335,7 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		}
 		return nil, err
 	}
+	fpPublishMounted.Hit()
 	klog.InfoS("Volume published", "volumeID", id, "targetPath", want.TargetPath, "workload", want.Workload.String(),
 		"mode", accessmode.Name(mode), "readOnly", readOnly)
 	return &csi.NodePublishVolumeResponse{}, nil
@@ -369,6 +414,7 @@ func (s *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 	if err := s.d.unmountAll(req.GetTargetPath()); err != nil {
 		return nil, status.Errorf(codes.Internal, "unmounting %s: %v", req.GetTargetPath(), err)
 	}
+	fpUnpublishUnmounted.Hit()
 	if err := s.d.holders.Save(id, rec.WithoutHolder(req.GetTargetPath())); err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
 	}

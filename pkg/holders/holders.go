@@ -35,10 +35,17 @@ type Record struct {
 	NodeID  string              `json:"nodeID,omitempty"`
 	Staged  *backend.Staged     `json:"staged,omitempty"`
 	Holders []accessmode.Holder `json:"holders,omitempty"`
+	// StagePending is the staging path of a stage begun and not recorded
+	// yet: set before the backend attaches or mounts anything, cleared
+	// with the Staged record. Found set, it says a stage was interrupted
+	// (the plugin killed) and may have left a device or mount behind.
+	StagePending string `json:"stagePending,omitempty"`
 }
 
 // Empty reports whether the record holds nothing, so its file can go.
-func (r *Record) Empty() bool { return r.Staged == nil && len(r.Holders) == 0 }
+func (r *Record) Empty() bool {
+	return r.Staged == nil && len(r.Holders) == 0 && r.StagePending == ""
+}
 
 // Holder returns the holder at targetPath, if any.
 func (r *Record) Holder(targetPath string) (accessmode.Holder, bool) {

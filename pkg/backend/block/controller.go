@@ -15,6 +15,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 	"google.golang.org/grpc/codes"
@@ -350,6 +351,7 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 			return nil, status.Errorf(codes.Internal, "syncing image of %s: %v", id, err)
 		}
 	}
+	fpCreateImageWritten.Hit()
 	if err := os.Rename(tmp, imagePath); err != nil {
 		return nil, status.Errorf(codes.Internal, "publishing image of %s: %v", id, err)
 	}
@@ -357,6 +359,7 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 	if err := fsutil.SyncDir(p.kindDir(volumeid.Volume)); err != nil {
 		return nil, status.Errorf(codes.Internal, "publishing image of %s: %v", id, err)
 	}
+	fpCreateImagePublished.Hit()
 
 	vol := &backend.Volume{
 		ID:            id,
@@ -381,11 +384,24 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 		}
 		return nil, status.Errorf(codes.Internal, "recording volume %s: %v", id, err)
 	}
+	fpCreateRecorded.Hit()
 	c.mu.Lock()
 	c.volumes[id] = vol
 	c.mu.Unlock()
 	return cloneVolume(vol), nil
 }
+
+// Steps a test can kill the controller at (package faultpoint): after each,
+// a crash leaves a different state for the restart and the CO's retries.
+var (
+	fpCreateImageWritten   = faultpoint.New("block.create.image-written")
+	fpCreateImagePublished = faultpoint.New("block.create.image-published")
+	fpCreateRecorded       = faultpoint.New("block.create.recorded")
+	fpDeleteMetaRemoved    = faultpoint.New("block.delete.meta-removed")
+	fpVolumeUpdated        = faultpoint.New("block.volume.updated")
+	fpSnapshotCopied       = faultpoint.New("block.snapshot.copied")
+	fpExpandImageGrown     = faultpoint.New("block.expand.image-grown")
+)
 
 // formatsAtCreate is true for filesystem volumes no node will ever be
 // allowed to write: a read-only node cannot format, so nobody could. A
@@ -497,6 +513,7 @@ func (c *Controller) deleteObject(id volumeid.ID, kind volumeid.Kind) error {
 	if err := fsutil.RemoveDurably(metaPath); err != nil {
 		return status.Errorf(codes.Internal, "deleting %s: %v", id, err)
 	}
+	fpDeleteMetaRemoved.Hit()
 	c.mu.Lock()
 	delete(c.volumes, id.String())
 	delete(c.snapshots, id.String())
@@ -542,6 +559,7 @@ func (c *Controller) updateVolume(ctx context.Context, id volumeid.ID, change fu
 	if err := fsutil.WriteJSONAtomic(metaPath, v); err != nil {
 		return nil, status.Errorf(codes.Internal, "recording volume %s: %v", id, err)
 	}
+	fpVolumeUpdated.Hit()
 	c.mu.Lock()
 	c.volumes[v.ID] = cloneVolume(v)
 	c.mu.Unlock()
@@ -575,6 +593,7 @@ func (c *Controller) ExpandVolume(ctx context.Context, id volumeid.ID, bytes int
 			}
 			return false, status.Errorf(codes.Internal, "growing image of %s: %v", id, err)
 		}
+		fpExpandImageGrown.Hit()
 		v.CapacityBytes = bytes
 		return true, nil
 	})
@@ -685,6 +704,7 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 	if err := growAndSync(tmp, 0); err != nil { // size 0: only mode and fsync
 		return nil, status.Errorf(codes.Internal, "syncing image of %s: %v", id, err)
 	}
+	fpSnapshotCopied.Hit()
 	if err := os.Rename(tmp, imagePath); err != nil {
 		return nil, status.Errorf(codes.Internal, "publishing image of %s: %v", id, err)
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
+	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 	"google.golang.org/grpc/codes"
@@ -136,10 +137,21 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 		return nil, status.Errorf(codes.Internal, "image of volume %s: %v", vol.ID, err)
 	}
 
+	// A stage interrupted between attaching and recording (the plugin
+	// killed) leaves a device bound to the image that nothing uses; the
+	// retry detaches it rather than binding the image once more and
+	// leaking it. Only then: where several node plugins share one kernel
+	// (tests), another's staged raw block device looks unused too.
+	if req.Recover {
+		if err := detachUnused(ctx, vol.ID, image); err != nil {
+			return nil, err
+		}
+	}
 	dev, err := loop.Attach(ctx, image, req.ReadOnly)
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "attaching volume %s: %v", vol.ID, err)
 	}
+	fpStageAttached.Hit()
 	staged := &backend.Staged{
 		VolumeID:    vol.ID,
 		StagingPath: req.StagingPath,
@@ -159,6 +171,28 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 		return nil, err
 	}
 	return staged, nil
+}
+
+// Steps a test can kill the node plugin at (package faultpoint).
+var (
+	fpStageAttached    = faultpoint.New("block.stage.attached")
+	fpUnstageUnmounted = faultpoint.New("block.unstage.unmounted")
+)
+
+// detachUnused detaches the loop devices bound to image that nothing uses
+// (no mount of their filesystem, no bind mount of their node).
+func detachUnused(ctx context.Context, volumeID, image string) error {
+	unused, err := loop.Unused(image)
+	if err != nil {
+		return status.Errorf(codes.Internal, "looking for loop devices left bound to %s: %v", image, err)
+	}
+	for _, d := range unused {
+		if _, err := loop.DetachIfBackedBy(ctx, d, image); err != nil {
+			return status.Errorf(codes.Internal, "detaching %s, left bound to %s: %v", d, image, err)
+		}
+		klog.InfoS("Detached a loop device an interrupted stage left bound to the volume's image", "volumeID", volumeID, "device", d)
+	}
+	return nil
 }
 
 // alreadyStaged recognises a staging path that already holds this
@@ -311,8 +345,10 @@ func (n *Node) Unstage(ctx context.Context, staged *backend.Staged) error {
 			}
 		}
 	}
+	fpUnstageUnmounted.Hit()
 	if dev == "" {
-		return nil
+		// No device recorded: an interrupted stage being undone.
+		return detachUnused(ctx, staged.VolumeID, image)
 	}
 	if !loop.ValidDevice(dev) {
 		return status.Errorf(codes.Internal, "staged device %q is not a loop device; refusing to touch it", dev)

@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/moby/sys/mountinfo"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -235,4 +236,49 @@ func run(ctx context.Context, name string, args ...string) ([]byte, error) {
 		return stdout.Bytes(), fmt.Errorf("%s %s: %v: %s", name, strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
 	}
 	return stdout.Bytes(), nil
+}
+
+// Unused lists the loop devices bound to image that nothing uses: no
+// filesystem on them is mounted and no bind mount of their device node
+// exists (how a raw block volume reaches a workload). They are what a stage
+// interrupted between attaching and recording leaves behind.
+func Unused(image string) ([]string, error) {
+	all, err := List()
+	if err != nil {
+		return nil, err
+	}
+	var bound []string
+	for _, a := range all {
+		if ok, err := IsBackedBy(a.Device, image); err == nil && ok {
+			bound = append(bound, a.Device)
+		}
+	}
+	if len(bound) == 0 {
+		return nil, nil
+	}
+	mounts, err := mountinfo.GetMounts(nil)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, dev := range bound {
+		var st unix.Stat_t
+		if err := unix.Stat(dev, &st); err != nil {
+			continue
+		}
+		major, minor := int(unix.Major(st.Rdev)), int(unix.Minor(st.Rdev))
+		used := false
+		for _, m := range mounts {
+			// A filesystem on the device, or the device node bind-mounted
+			// somewhere (its root is the node's path within devtmpfs).
+			if (m.Major == major && m.Minor == minor) || m.Root == "/"+filepath.Base(dev) || m.Source == dev {
+				used = true
+				break
+			}
+		}
+		if !used {
+			out = append(out, dev)
+		}
+	}
+	return out, nil
 }

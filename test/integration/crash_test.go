@@ -1,0 +1,459 @@
+package integration
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	_ "github.com/modeguard/modeguard/pkg/backend/block" // declares its fault points
+	_ "github.com/modeguard/modeguard/pkg/driver"        // declares its fault points
+	"github.com/modeguard/modeguard/pkg/faultpoint"
+	"github.com/modeguard/modeguard/pkg/localcluster"
+	"github.com/modeguard/modeguard/test/testenv"
+)
+
+// crashPoints are the steps that change state in a block volume's life, and
+// the process each one is in. TestCrashAtEveryStepConverges kills that
+// process there with SIGKILL, restarts it and retries the call, as a CO does.
+var crashPoints = map[string]string{
+	"block.create.image-written":    "controller",
+	"block.create.image-published":  "controller",
+	"block.create.recorded":         "controller",
+	"block.volume.updated":          "controller", // attachments recorded (publish)
+	"block.expand.image-grown":      "controller",
+	"block.snapshot.copied":         "controller",
+	"block.delete.meta-removed":     "controller",
+	"block.stage.attached":          "node",
+	"node.stage.backend-staged":     "node",
+	"node.stage.recorded":           "node",
+	"node.publish.holder-recorded":  "node",
+	"node.publish.mounted":          "node",
+	"node.unpublish.unmounted":      "node",
+	"block.unstage.unmounted":       "node",
+	"node.unstage.backend-unstaged": "node",
+}
+
+// Every fault point the block backend and the driver declare is exercised.
+func TestCrashPointsCoverEveryDeclaredPoint(t *testing.T) {
+	var missing []string
+	for _, n := range faultpoint.Names() {
+		if (strings.HasPrefix(n, "block.") || strings.HasPrefix(n, "node.")) && crashPoints[n] == "" {
+			missing = append(missing, n)
+		}
+	}
+	if len(missing) > 0 {
+		t.Fatalf("fault points without a crash scenario: %v", missing)
+	}
+	for n := range crashPoints {
+		if !slices.Contains(faultpoint.Names(), n) {
+			t.Errorf("crash scenario for %s, which no code declares", n)
+		}
+	}
+}
+
+// TestCrashAtEveryStepConverges kills the controller or the node plugin with
+// SIGKILL at each step that changes state, restarts it and retries the same
+// call until it succeeds, then finishes the volume's life. Afterwards data
+// written and fsync'd before the crash reads back, and nothing is left: no
+// image, metadata, loop device, mount or lock record.
+func TestCrashAtEveryStepConverges(t *testing.T) {
+	testenv.RequireRoot(t)
+	bin := testenv.BuildBinary(t)
+	names := make([]string, 0, len(crashPoints))
+	for n := range crashPoints {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	for _, name := range names {
+		t.Run(name, func(t *testing.T) { crashScenario(t, bin, name, crashPoints[name]) })
+	}
+}
+
+// crashProc is one driver process of the scenario.
+type crashProc struct {
+	t      *testing.T
+	name   string
+	bin    string
+	args   []string
+	env    []string // only for the first start: the fault point
+	socket string
+	log    string
+	cmd    *exec.Cmd
+	done   chan struct{}
+	conn   *grpc.ClientConn
+	killed int // how many times it died of SIGKILL
+}
+
+func (p *crashProc) start() {
+	p.t.Helper()
+	logf, err := os.OpenFile(p.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	p.cmd = exec.Command(p.bin, append([]string{"--endpoint", "unix://" + p.socket}, p.args...)...)
+	p.cmd.Env = append(os.Environ(), p.env...)
+	p.env = nil // a restart runs without the fault
+	p.cmd.Stdout, p.cmd.Stderr = logf, logf
+	if err := p.cmd.Start(); err != nil {
+		p.t.Fatal(err)
+	}
+	done := make(chan struct{})
+	p.done = done
+	go func(cmd *exec.Cmd) { _ = cmd.Wait(); logf.Close(); close(done) }(p.cmd)
+	if p.conn == nil {
+		conn, err := grpc.NewClient("unix://"+p.socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			p.t.Fatal(err)
+		}
+		p.conn = conn
+	}
+	id := csi.NewIdentityClient(p.conn)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		resp, err := id.Probe(ctx, &csi.ProbeRequest{})
+		cancel()
+		if err == nil && resp.GetReady().GetValue() {
+			return
+		}
+		select {
+		case <-p.done:
+			p.t.Fatalf("%s exited during start-up:\n%s", p.name, testenv.ReadFile(p.log))
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			p.t.Fatalf("%s not ready:\n%s", p.name, testenv.ReadFile(p.log))
+		}
+	}
+}
+
+// diedOfSIGKILL reports (and records) whether the process has exited
+// because of SIGKILL; any other exit fails the test.
+func (p *crashProc) diedOfSIGKILL() bool {
+	select {
+	case <-p.done:
+	case <-time.After(200 * time.Millisecond):
+		return false
+	}
+	ws, ok := p.cmd.ProcessState.Sys().(syscall.WaitStatus)
+	if !ok || !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+		p.t.Fatalf("%s exited, not by SIGKILL (%v):\n%s", p.name, p.cmd.ProcessState, testenv.ReadFile(p.log))
+	}
+	p.killed++
+	return true
+}
+
+func (p *crashProc) stop() {
+	if p.cmd != nil {
+		select {
+		case <-p.done:
+		default:
+			_ = p.cmd.Process.Signal(syscall.SIGTERM)
+			select {
+			case <-p.done:
+			case <-time.After(20 * time.Second):
+				_ = p.cmd.Process.Kill()
+				<-p.done
+			}
+		}
+	}
+	if p.conn != nil {
+		p.conn.Close()
+	}
+}
+
+func crashScenario(t *testing.T, bin, point, where string) {
+	work := t.TempDir()
+	pool := filepath.Join(work, "pool")
+	state := filepath.Join(work, "node-state")
+	kubelet := filepath.Join(work, "kubelet")
+	for _, d := range []string{pool, state, kubelet} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	poolArg := "--block-pool=zone-a=" + pool
+	ctrl := &crashProc{t: t, name: "controller", bin: bin, socket: filepath.Join(work, "c.sock"), log: filepath.Join(work, "controller.log"),
+		args: []string{"--roles", "controller", poolArg, "-v", "2"}}
+	node := &crashProc{t: t, name: "node", bin: bin, socket: filepath.Join(work, "n.sock"), log: filepath.Join(work, "node.log"),
+		args: []string{"--roles", "node", "--node-id", "crash-node", "--zone", "zone-a", poolArg, "--state-dir", state, "-v", "2"}}
+	target := map[string]*crashProc{"controller": ctrl, "node": node}[where]
+	target.env = []string{faultpoint.EnvVar + "=" + point}
+	ctrl.start()
+	node.start()
+	t.Cleanup(func() {
+		ctrl.stop()
+		node.stop()
+		testenv.CleanupUnder(t, work)
+		if t.Failed() {
+			t.Logf("controller log:\n%s\nnode log:\n%s", testenv.ReadFile(ctrl.log), testenv.ReadFile(node.log))
+		}
+	})
+	cc := func() csi.ControllerClient { return csi.NewControllerClient(ctrl.conn) }
+	nc := func() csi.NodeClient { return csi.NewNodeClient(node.conn) }
+
+	// call runs one CSI call; when the process it went to died of SIGKILL,
+	// it restarts that process and retries the call, as a CO would.
+	call := func(what string, p *crashProc, f func(ctx context.Context) error) {
+		t.Helper()
+		for attempt := 0; ; attempt++ {
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			err := f(ctx)
+			cancel()
+			if err == nil {
+				return
+			}
+			if p.diedOfSIGKILL() {
+				t.Logf("%s: %s killed at %s; restarting it and retrying", what, p.name, point)
+				p.start()
+				continue
+			}
+			if status.Code(err) == codes.Unavailable && attempt < 20 {
+				time.Sleep(100 * time.Millisecond)
+				continue
+			}
+			t.Fatalf("%s: %v", what, err)
+		}
+	}
+
+	mountCap := &csi.VolumeCapability{
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+	}
+	var nodeID, volID, snapID string
+	var volCtx, pubCtx map[string]string
+	call("NodeGetInfo", node, func(ctx context.Context) error {
+		r, err := nc().NodeGetInfo(ctx, &csi.NodeGetInfoRequest{})
+		nodeID = r.GetNodeId()
+		return err
+	})
+	call("CreateVolume", ctrl, func(ctx context.Context) error {
+		r, err := cc().CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "crash", CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
+			VolumeCapabilities: []*csi.VolumeCapability{mountCap}})
+		volID, volCtx = r.GetVolume().GetVolumeId(), r.GetVolume().GetVolumeContext()
+		return err
+	})
+	call("ControllerPublishVolume", ctrl, func(ctx context.Context) error {
+		r, err := cc().ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: volID, NodeId: nodeID, VolumeCapability: mountCap})
+		pubCtx = r.GetPublishContext()
+		return err
+	})
+	staging := filepath.Join(kubelet, "staging")
+	stage := func() {
+		call("NodeStageVolume", node, func(ctx context.Context) error {
+			_, err := nc().NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: volID, StagingTargetPath: staging,
+				VolumeCapability: mountCap, PublishContext: pubCtx, VolumeContext: volCtx})
+			return err
+		})
+	}
+	publish := func(target string) {
+		call("NodePublishVolume", node, func(ctx context.Context) error {
+			_, err := nc().NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: volID, StagingTargetPath: staging, TargetPath: target,
+				VolumeCapability: mountCap, PublishContext: pubCtx, VolumeContext: volCtx})
+			return err
+		})
+	}
+	unpublish := func(target string) {
+		call("NodeUnpublishVolume", node, func(ctx context.Context) error {
+			_, err := nc().NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: volID, TargetPath: target})
+			return err
+		})
+	}
+	unstage := func() {
+		call("NodeUnstageVolume", node, func(ctx context.Context) error {
+			_, err := nc().NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: volID, StagingTargetPath: staging})
+			return err
+		})
+	}
+
+	first := filepath.Join(kubelet, "pods", "first", "vol")
+	stage()
+	publish(first)
+	// Data acknowledged before any later crash: written and fsync'd
+	// through the mount.
+	data := make([]byte, 1<<20)
+	if _, err := rand.Read(data); err != nil {
+		t.Fatal(err)
+	}
+	writeSynced(t, filepath.Join(first, "acknowledged"), data)
+
+	call("ControllerExpandVolume", ctrl, func(ctx context.Context) error {
+		_, err := cc().ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: volID,
+			CapacityRange: &csi.CapacityRange{RequiredBytes: 96 << 20}, VolumeCapability: mountCap})
+		return err
+	})
+	call("CreateSnapshot", ctrl, func(ctx context.Context) error {
+		r, err := cc().CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: volID, Name: "crash-snap"})
+		snapID = r.GetSnapshot().GetSnapshotId()
+		return err
+	})
+	unpublish(first)
+	unstage()
+
+	// The same node again: the data is there.
+	second := filepath.Join(kubelet, "pods", "second", "vol")
+	stage()
+	publish(second)
+	got, err := os.ReadFile(filepath.Join(second, "acknowledged"))
+	if err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("data written and fsync'd before the crash: read back %d bytes, err %v (equal: %v)", len(got), err, bytes.Equal(got, data))
+	}
+	unpublish(second)
+	unstage()
+
+	call("ControllerUnpublishVolume", ctrl, func(ctx context.Context) error {
+		_, err := cc().ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: volID, NodeId: nodeID})
+		return err
+	})
+	call("DeleteSnapshot", ctrl, func(ctx context.Context) error {
+		_, err := cc().DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: snapID})
+		return err
+	})
+	call("DeleteVolume", ctrl, func(ctx context.Context) error {
+		_, err := cc().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: volID})
+		return err
+	})
+
+	if target.killed != 1 {
+		t.Fatalf("%s died %d times at %s; want exactly once (is the step on the path of this scenario?)", target.name, target.killed, point)
+	}
+	// A restart of both finds nothing to clean up either.
+	ctrl.stop()
+	node.stop()
+	ctrl.conn, node.conn = nil, nil
+	// losetup --detach of a device whose last user is just going away
+	// only marks it for autoclear; the kernel unbinds it a moment later.
+	loops := localcluster.LoopsUnder(work)
+	for end := time.Now().Add(3 * time.Second); len(loops) > 0 && time.Now().Before(end); loops = localcluster.LoopsUnder(work) {
+		time.Sleep(100 * time.Millisecond)
+	}
+	if len(loops) > 0 {
+		t.Errorf("loop devices left: %v", loops)
+	}
+	if mounts := localcluster.MountsUnder(work); len(mounts) > 0 {
+		t.Errorf("mounts left: %v", mounts)
+	}
+	for _, dir := range []string{pool, state} {
+		var files []string
+		_ = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+			if err == nil && !d.IsDir() {
+				files = append(files, strings.TrimPrefix(p, work+"/"))
+			}
+			return nil
+		})
+		if len(files) > 0 {
+			t.Errorf("files left in %s: %v", filepath.Base(dir), files)
+		}
+	}
+}
+
+func writeSynced(t *testing.T, path string, data []byte) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.Write(data); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Close(); err != nil {
+		t.Fatal(errors.Join(err, fmt.Errorf("closing %s", path)))
+	}
+}
+
+// TestInterruptedStageUndoneByUnstage: the node plugin is killed after it
+// attached the loop device and before it recorded the stage, and the CO
+// then gives up on the stage and unstages instead of retrying. The unstage
+// finds the stage recorded as begun and detaches what it left.
+func TestInterruptedStageUndoneByUnstage(t *testing.T) {
+	testenv.RequireRoot(t)
+	bin := testenv.BuildBinary(t)
+	work := t.TempDir()
+	pool, state := filepath.Join(work, "pool"), filepath.Join(work, "node-state")
+	poolArg := "--block-pool=zone-a=" + pool
+	if err := os.MkdirAll(pool, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	ctrl := &crashProc{t: t, name: "controller", bin: bin, socket: filepath.Join(work, "c.sock"), log: filepath.Join(work, "controller.log"),
+		args: []string{"--roles", "controller", poolArg}}
+	node := &crashProc{t: t, name: "node", bin: bin, socket: filepath.Join(work, "n.sock"), log: filepath.Join(work, "node.log"),
+		args: []string{"--roles", "node", "--node-id", "crash-node", "--zone", "zone-a", poolArg, "--state-dir", state},
+		env:  []string{faultpoint.EnvVar + "=block.stage.attached"}}
+	ctrl.start()
+	node.start()
+	t.Cleanup(func() {
+		ctrl.stop()
+		node.stop()
+		testenv.CleanupUnder(t, work)
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cc, nc := csi.NewControllerClient(ctrl.conn), csi.NewNodeClient(node.conn)
+	blockCap := &csi.VolumeCapability{
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+	}
+	info, err := nc.NodeGetInfo(ctx, &csi.NodeGetInfoRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	vol, err := cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "given-up", CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20},
+		VolumeCapabilities: []*csi.VolumeCapability{blockCap}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := vol.GetVolume().GetVolumeId()
+	pub, err := cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: info.GetNodeId(), VolumeCapability: blockCap})
+	if err != nil {
+		t.Fatal(err)
+	}
+	staging := filepath.Join(work, "kubelet", "staging")
+	_, err = nc.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: blockCap,
+		PublishContext: pub.GetPublishContext(), VolumeContext: vol.GetVolume().GetVolumeContext()})
+	if err == nil || !node.diedOfSIGKILL() {
+		t.Fatalf("NodeStageVolume: want the node plugin killed at block.stage.attached, got %v", err)
+	}
+	if loops := localcluster.LoopsUnder(work); len(loops) != 1 {
+		t.Fatalf("after the crash: loop devices %v, want the one the interrupted stage attached", loops)
+	}
+	node.start()
+	if _, err := csi.NewNodeClient(node.conn).NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatalf("NodeUnstageVolume after the interrupted stage: %v", err)
+	}
+	loops := localcluster.LoopsUnder(work)
+	for end := time.Now().Add(3 * time.Second); len(loops) > 0 && time.Now().Before(end); loops = localcluster.LoopsUnder(work) {
+		time.Sleep(100 * time.Millisecond)
+	}
+	if len(loops) > 0 {
+		t.Fatalf("loop devices left after the unstage: %v", loops)
+	}
+	if entries, _ := os.ReadDir(filepath.Join(state, "holders")); len(entries) > 0 {
+		t.Fatalf("lock records left after the unstage: %d", len(entries))
+	}
+	if _, err := cc.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: info.GetNodeId()}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+		t.Fatal(err)
+	}
+}
