@@ -457,3 +457,125 @@ func TestInterruptedStageUndoneByUnstage(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestVanishedNodeHandsOverItsVolume: the node holding a ReadWriteOnce
+// volume disappears (its plugin killed, its mounts and loop device gone with
+// its kernel). Until the CO forces ControllerUnpublishVolume for the dead
+// node, no other node gets the volume; afterwards the next node stages it,
+// reads what was fsync'd on the dead one, and the filesystem checks clean.
+func TestVanishedNodeHandsOverItsVolume(t *testing.T) {
+	testenv.RequireRoot(t)
+	bin := testenv.BuildBinary(t)
+	work := t.TempDir()
+	pool := filepath.Join(work, "pool")
+	if err := os.MkdirAll(pool, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	poolArg := "--block-pool=zone-a=" + pool
+	ctrl := &crashProc{t: t, name: "controller", bin: bin, socket: filepath.Join(work, "c.sock"), log: filepath.Join(work, "controller.log"),
+		args: []string{"--roles", "controller", poolArg}}
+	nodes := map[string]*crashProc{}
+	for _, n := range []string{"node-a1", "node-a2"} {
+		nodes[n] = &crashProc{t: t, name: n, bin: bin, socket: filepath.Join(work, n+".sock"), log: filepath.Join(work, n+".log"),
+			args: []string{"--roles", "node", "--node-id", n, "--zone", "zone-a", poolArg, "--state-dir", filepath.Join(work, n+"-state")}}
+	}
+	ctrl.start()
+	nodes["node-a1"].start()
+	nodes["node-a2"].start()
+	t.Cleanup(func() {
+		ctrl.stop()
+		for _, n := range nodes {
+			n.stop()
+		}
+		testenv.CleanupUnder(t, work)
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cc := csi.NewControllerClient(ctrl.conn)
+	mountCap := &csi.VolumeCapability{
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+	}
+	vol, err := cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "handed-over", CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
+		VolumeCapabilities: []*csi.VolumeCapability{mountCap}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, volCtx := vol.GetVolume().GetVolumeId(), vol.GetVolume().GetVolumeContext()
+	nodeID := func(n string) string {
+		info, err := csi.NewNodeClient(nodes[n].conn).NodeGetInfo(ctx, &csi.NodeGetInfoRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return info.GetNodeId()
+	}
+	a1, a2 := nodeID("node-a1"), nodeID("node-a2")
+	use := func(n, nid string) (target string) {
+		pub, err := cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: nid, VolumeCapability: mountCap})
+		if err != nil {
+			t.Fatalf("ControllerPublishVolume to %s: %v", n, err)
+		}
+		nc := csi.NewNodeClient(nodes[n].conn)
+		staging, target := filepath.Join(work, n, "staging"), filepath.Join(work, n, "pod", "vol")
+		if _, err := nc.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: mountCap,
+			PublishContext: pub.GetPublishContext(), VolumeContext: volCtx}); err != nil {
+			t.Fatalf("NodeStageVolume on %s: %v", n, err)
+		}
+		if _, err := nc.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target,
+			VolumeCapability: mountCap, PublishContext: pub.GetPublishContext(), VolumeContext: volCtx}); err != nil {
+			t.Fatalf("NodePublishVolume on %s: %v", n, err)
+		}
+		return target
+	}
+	data := make([]byte, 256<<10)
+	if _, err := rand.Read(data); err != nil {
+		t.Fatal(err)
+	}
+	writeSynced(t, filepath.Join(use("node-a1", a1), "acknowledged"), data)
+
+	// node-a1 vanishes: its plugin dies, and what its kernel held goes.
+	dead := nodes["node-a1"]
+	_ = dead.cmd.Process.Kill()
+	<-dead.done
+	for _, m := range localcluster.MountsUnder(filepath.Join(work, "node-a1")) {
+		if err := syscall.Unmount(m, syscall.MNT_DETACH); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, l := range localcluster.LoopsUnder(pool) {
+		if out, err := exec.Command("losetup", "-d", l).CombinedOutput(); err != nil {
+			t.Fatalf("detaching %s: %v: %s", l, err, out)
+		}
+	}
+
+	// Still attached to the dead node: nobody else may have it.
+	_, err = cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a2, VolumeCapability: mountCap})
+	if status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("ControllerPublishVolume to node-a2 while attached to the dead node: %v, want FailedPrecondition", err)
+	}
+	// The CO forces the detach from the dead node (its plugin cannot answer).
+	if _, err := cc.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: a1}); err != nil {
+		t.Fatalf("forced ControllerUnpublishVolume of the dead node: %v", err)
+	}
+	target := use("node-a2", a2)
+	if got, err := os.ReadFile(filepath.Join(target, "acknowledged")); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("node-a2 reads %d bytes of what node-a1 fsync'd (err %v)", len(got), err)
+	}
+	nc := csi.NewNodeClient(nodes["node-a2"].conn)
+	if _, err := nc.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := nc.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(work, "node-a2", "staging")}); err != nil {
+		t.Fatal(err)
+	}
+	image := filepath.Join(pool, "volumes", strings.NewReplacer(":", "_").Replace(id)+".img")
+	if out, err := exec.Command("fsck.ext4", "-n", "-f", image).CombinedOutput(); err != nil {
+		t.Fatalf("the filesystem after the hand-over does not check clean: %v\n%s", err, out)
+	}
+	if _, err := cc.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: a2}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -17,6 +19,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
+	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha"
 	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha/ganeshatest"
 	"github.com/modeguard/modeguard/pkg/localcluster"
 	"github.com/modeguard/modeguard/pkg/nodeid"
@@ -291,5 +294,34 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 		mustNotRead(t, n1, gone, "f")
 		unpublish(t, kept, 1)
 		deleteVol(t, kept)
+	})
+
+	t.Run("controller, ganesha and its bus killed together restore every export", func(t *testing.T) {
+		vol := create(t, "together", accessmode.SingleNodeMultiWriter, 16<<20, nil)
+		wantCode(t, "publish to node-2", publish(vol, accessmode.SingleNodeMultiWriter, 1, false), codes.OK)
+		mustWrite(t, n2, vol, "before-crash")
+		// As when the controller's container is killed: every process of
+		// it dies at once, by SIGKILL, with nothing cleaned up.
+		var pids []int
+		for _, name := range []string{ganesha.GaneshaPIDName, ganesha.BusPIDName} {
+			pid, err := strconv.Atoi(strings.TrimSpace(testenv.ReadFile(filepath.Join(work, "ganesha", name))))
+			if err != nil {
+				t.Fatalf("pid file %s: %v", name, err)
+			}
+			pids = append(pids, pid)
+		}
+		for _, pid := range pids {
+			if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+				t.Fatalf("killing %d: %v", pid, err)
+			}
+		}
+		ctrl.Kill()
+		ctrl.Start(ctx)
+
+		mustRead(t, n2, vol, "before-crash")
+		mustWrite(t, n2, vol, "after-restart")
+		mustNotRead(t, n1, vol, "before-crash")
+		unpublish(t, vol, 1)
+		deleteVol(t, vol)
 	})
 }
