@@ -129,6 +129,9 @@ func (s *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if err := fsutil.CheckCOPath("staging target path", req.GetStagingTargetPath()); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
+	if err := fsutil.CheckNotSymlink("staging target path", req.GetStagingTargetPath()); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
 	accessType, fsType, mode, err := parseCapability(req.GetVolumeCapability())
 	if err != nil {
 		return nil, err
@@ -270,6 +273,9 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
 	if err := fsutil.CheckCOPath("staging target path", req.GetStagingTargetPath()); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	if err := fsutil.CheckNotSymlink("target path", req.GetTargetPath()); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
 	accessType, fsType, mode, err := parseCapability(req.GetVolumeCapability())

@@ -766,3 +766,49 @@ func TestSecretsNeverLogged(t *testing.T) {
 		}
 	}
 }
+
+// A target or staging path whose last element is a symbolic link is refused:
+// mount(2) would follow it and put the volume over whatever it points to.
+func TestSymlinkPathsRefused(t *testing.T) {
+	e := newEnv(t, 0)
+	c := mountCap(accessmode.SingleNodeMultiWriter)
+	volID, staging, pc := e.setup(t, "links", c)
+	victim := filepath.Join(e.root, "victim")
+	if err := os.MkdirAll(victim, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	link := e.targetPath("link")
+	if err := os.MkdirAll(filepath.Dir(link), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(victim, link); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.publish(t, volID, staging, link, c, pc, false); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("NodePublishVolume at a symlink: %v, want InvalidArgument", err)
+	}
+	if n := mountsAt(t, victim); n != 0 {
+		t.Errorf("a refused publish mounted over the symlink's target %s", victim)
+	}
+
+	other := e.createVolume(t, "links-staging", c)
+	opc := e.controllerPublish(t, other, c)
+	stagingLink := e.stagingPath("links-staging")
+	if err := os.MkdirAll(filepath.Dir(stagingLink), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(victim, stagingLink); err != nil {
+		t.Fatal(err)
+	}
+	_, err := e.node.NodeStageVolume(ctx(t), &csi.NodeStageVolumeRequest{VolumeId: other, StagingTargetPath: stagingLink, VolumeCapability: c, PublishContext: opc})
+	if status.Code(err) != codes.InvalidArgument {
+		t.Errorf("NodeStageVolume at a symlink: %v, want InvalidArgument", err)
+	}
+	if n := mountsAt(t, victim); n != 0 {
+		t.Errorf("a refused stage mounted over the symlink's target %s", victim)
+	}
+	// The volume is as usable as before at a plain path.
+	if err := e.publish(t, volID, staging, e.targetPath("plain"), c, pc, false); err != nil {
+		t.Errorf("publish at a plain path after the refusals: %v", err)
+	}
+}

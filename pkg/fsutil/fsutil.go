@@ -114,6 +114,26 @@ func CheckCOPath(field, p string) error {
 	return nil
 }
 
+// CheckNotSymlink refuses a CO path whose last element is a symbolic link:
+// mount(2) follows it, so a link put there (by a workload that can write the
+// directory above, say) would have the driver mount a volume over whatever
+// it points to. A missing path is fine; the driver creates it. Symlinks
+// higher up are left alone: hosts legitimately link the kubelet's directory
+// elsewhere.
+func CheckNotSymlink(field, p string) error {
+	st, err := os.Lstat(p)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		return fmt.Errorf("%s %q: %w", field, p, err)
+	}
+	if st.Mode()&os.ModeSymlink != 0 {
+		return fmt.Errorf("%s %q is a symbolic link; the driver neither mounts over one nor follows it", field, p)
+	}
+	return nil
+}
+
 // ErrNoAnswer is returned by StatfsWithin when statfs did not return in time.
 var ErrNoAnswer = errors.New("statfs did not return in time (an unreachable network filesystem?)")
 
