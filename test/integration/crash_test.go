@@ -23,7 +23,9 @@ import (
 	"google.golang.org/grpc/status"
 
 	_ "github.com/modeguard/modeguard/pkg/backend/block" // declares its fault points
-	_ "github.com/modeguard/modeguard/pkg/driver"        // declares its fault points
+	_ "github.com/modeguard/modeguard/pkg/backend/nfs"   // declares its fault points
+	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha"
+	_ "github.com/modeguard/modeguard/pkg/driver" // declares its fault points
 	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/localcluster"
 	"github.com/modeguard/modeguard/test/testenv"
@@ -577,5 +579,166 @@ func TestVanishedNodeHandsOverItsVolume(t *testing.T) {
 	}
 	if _, err := cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// nfsCrashPoints are the NFS controller's steps that change state.
+var nfsCrashPoints = []string{
+	"nfs.create.storage-made",
+	"nfs.create.recorded",
+	"nfs.export.file-written",
+	"nfs.export.applied",
+	"nfs.attachments.recorded",
+	"nfs.delete.export-removed",
+	"nfs.delete.record-removed",
+}
+
+// TestNFSCrashAtEveryStepConverges: the NFS controller killed with SIGKILL
+// at each step of create, publish, unpublish and delete (its ganesha is
+// orphaned and replaced at the restart), the call retried until it
+// succeeds. After each call what ganesha serves, asked over its bus, is
+// exactly what the records say; at the end no export, record, image, loop
+// device or mount is left.
+func TestNFSCrashAtEveryStepConverges(t *testing.T) {
+	testenv.RequireRoot(t)
+	declared := 0
+	for _, n := range faultpoint.Names() {
+		if strings.HasPrefix(n, "nfs.") {
+			declared++
+			if !slices.Contains(nfsCrashPoints, n) {
+				t.Errorf("NFS fault point %s has no crash scenario", n)
+			}
+		}
+	}
+	if declared != len(nfsCrashPoints) {
+		t.Fatalf("%d NFS fault points declared, %d scenarios", declared, len(nfsCrashPoints))
+	}
+	bin := testenv.BuildBinary(t)
+	for i, point := range nfsCrashPoints {
+		t.Run(point, func(t *testing.T) { nfsCrashScenario(t, bin, point, 20600+i) })
+	}
+}
+
+func nfsCrashScenario(t *testing.T, bin, point string, port int) {
+	work := t.TempDir()
+	gdir := filepath.Join(work, "ganesha")
+	ctrl := &crashProc{t: t, name: "controller", bin: bin, socket: filepath.Join(work, "c.sock"), log: filepath.Join(work, "controller.log"),
+		args: []string{"--roles", "controller", "-v", "2", "--nfs-export-root", filepath.Join(work, "nfs"), "--nfs-storage", "images",
+			"--nfs-server", "127.0.0.1", "--nfs-listen-address", "127.0.0.1", "--nfs-port", fmt.Sprint(port), "--nfs-ganesha-dir", gdir},
+		env: []string{faultpoint.EnvVar + "=" + point}}
+	ctrl.start()
+	t.Cleanup(func() {
+		ctrl.stop()
+		testenv.CleanupUnder(t, work)
+		if t.Failed() {
+			t.Logf("controller log:\n%s", testenv.ReadFile(ctrl.log))
+		}
+	})
+	call := func(what string, f func(ctx context.Context) error) {
+		t.Helper()
+		for attempt := 0; ; attempt++ {
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			err := f(ctx)
+			cancel()
+			if err == nil {
+				return
+			}
+			if ctrl.diedOfSIGKILL() {
+				t.Logf("%s: controller killed at %s; restarting it and retrying", what, point)
+				ctrl.start()
+				continue
+			}
+			if status.Code(err) == codes.Unavailable && attempt < 20 {
+				time.Sleep(100 * time.Millisecond)
+				continue
+			}
+			t.Fatalf("%s: %v", what, err)
+		}
+	}
+	// served asks ganesha, over its own bus, which clients the export of
+	// the volume's directory has; ok is false when there is no such export.
+	served := func(volID string) (clients []string, ok bool) {
+		t.Helper()
+		control, err := ganesha.Dial("unix:path=" + filepath.Join(gdir, ganesha.BusSocketName))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer control.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		exports, err := control.Exports(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		dir := strings.NewReplacer(":", "_").Replace(volID)
+		for _, e := range exports {
+			if filepath.Base(e.Path) == dir {
+				for _, c := range e.Clients {
+					clients = append(clients, c.Match+" "+c.Access)
+				}
+				return clients, true
+			}
+		}
+		return nil, false
+	}
+	c := &csi.VolumeCapability{
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER},
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
+	}
+	const node = "nfs-node@zone-a@127.0.0.21"
+	var volID string
+	call("CreateVolume", func(ctx context.Context) error {
+		r, err := csi.NewControllerClient(ctrl.conn).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "nfs-crash",
+			CapacityRange: &csi.CapacityRange{RequiredBytes: 300 << 20}, VolumeCapabilities: []*csi.VolumeCapability{c},
+			Parameters: map[string]string{"backend": "nfs"}})
+		volID = r.GetVolume().GetVolumeId()
+		return err
+	})
+	if clients, ok := served(volID); !ok || len(clients) != 0 {
+		t.Fatalf("after CreateVolume ganesha serves %v (exported: %v), want an export open to no one", clients, ok)
+	}
+	call("ControllerPublishVolume", func(ctx context.Context) error {
+		_, err := csi.NewControllerClient(ctrl.conn).ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: volID, NodeId: node, VolumeCapability: c})
+		return err
+	})
+	if clients, _ := served(volID); !slices.Equal(clients, []string{"127.0.0.21/32 RW"}) {
+		t.Fatalf("after ControllerPublishVolume ganesha serves clients %v, want exactly 127.0.0.21 RW", clients)
+	}
+	call("ControllerUnpublishVolume", func(ctx context.Context) error {
+		_, err := csi.NewControllerClient(ctrl.conn).ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: volID, NodeId: node})
+		return err
+	})
+	if clients, ok := served(volID); !ok || len(clients) != 0 {
+		t.Fatalf("after ControllerUnpublishVolume ganesha serves %v (exported: %v), want an export open to no one", clients, ok)
+	}
+	call("DeleteVolume", func(ctx context.Context) error {
+		_, err := csi.NewControllerClient(ctrl.conn).DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: volID})
+		return err
+	})
+	if clients, ok := served(volID); ok {
+		t.Fatalf("after DeleteVolume ganesha still exports the volume (clients %v)", clients)
+	}
+	if ctrl.killed != 1 {
+		t.Fatalf("the controller died %d times at %s; want exactly once", ctrl.killed, point)
+	}
+	ctrl.stop()
+	ctrl.conn = nil
+	if loops := localcluster.LoopsUnder(work); len(loops) > 0 {
+		t.Errorf("loop devices left: %v", loops)
+	}
+	if mounts := localcluster.MountsUnder(work); len(mounts) > 0 {
+		t.Errorf("mounts left: %v", mounts)
+	}
+	var files []string
+	for _, dir := range []string{filepath.Join(work, "nfs", "images"), filepath.Join(work, "nfs", "meta"), filepath.Join(gdir, "exports")} {
+		_ = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+			if err == nil && !d.IsDir() {
+				files = append(files, strings.TrimPrefix(p, work+"/"))
+			}
+			return nil
+		})
+	}
+	if len(files) > 0 {
+		t.Errorf("files left: %v", files)
 	}
 }

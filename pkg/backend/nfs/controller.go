@@ -54,6 +54,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha"
+	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
@@ -366,16 +367,29 @@ func (c *Controller) writeExportFile(rec *volumeRecord) error {
 	return nil
 }
 
+// Steps a test can kill the controller at (package faultpoint).
+var (
+	fpCreateStorageMade   = faultpoint.New("nfs.create.storage-made")
+	fpCreateRecorded      = faultpoint.New("nfs.create.recorded")
+	fpExportFileWritten   = faultpoint.New("nfs.export.file-written")
+	fpExportApplied       = faultpoint.New("nfs.export.applied")
+	fpAttachmentsRecorded = faultpoint.New("nfs.attachments.recorded")
+	fpDeleteExportRemoved = faultpoint.New("nfs.delete.export-removed")
+	fpDeleteRecordRemoved = faultpoint.New("nfs.delete.record-removed")
+)
+
 // applyExport writes the volume's export file and tells ganesha.
 func (c *Controller) applyExport(ctx context.Context, rec *volumeRecord) error {
 	if err := c.writeExportFile(rec); err != nil {
 		return err
 	}
+	fpExportFileWritten.Hit()
 	id, _ := volumeid.Parse(rec.Volume.ID)
 	if err := c.exporter.ApplyExport(ctx, c.exportFile(id), rec.ExportID); err != nil {
 		c.controlFailed(OpApplyExport)
 		return status.Errorf(codes.Unavailable, "ganesha refused the export of %s: %v", rec.Volume.ID, err)
 	}
+	fpExportApplied.Hit()
 	klog.V(2).InfoS("Export served", "volumeID", rec.Volume.ID, "exportID", rec.ExportID, "clients", clientList(rec))
 	return nil
 }
@@ -554,6 +568,7 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 		c.release(exportID, project, spec.CapacityBytes)
 		return nil, status.Errorf(codes.Internal, "creating the storage of %s: %v", spec.ID, err)
 	}
+	fpCreateStorageMade.Hit()
 	rec := &volumeRecord{
 		Volume: backend.Volume{
 			ID: spec.ID.String(), Name: spec.Name, CapacityBytes: spec.CapacityBytes,
@@ -570,6 +585,7 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 		c.release(exportID, project, spec.CapacityBytes)
 		return nil, status.Errorf(codes.Internal, "recording %s: %v", spec.ID, err)
 	}
+	fpCreateRecorded.Hit()
 	c.mu.Lock()
 	c.volumes[rec.Volume.ID] = rec
 	c.mu.Unlock()
@@ -615,12 +631,14 @@ func (c *Controller) DeleteVolume(ctx context.Context, id volumeid.ID) error {
 		c.controlFailed(OpRemoveExport)
 		return status.Errorf(codes.Unavailable, "removing the export of %s: %v", id, err)
 	}
+	fpDeleteExportRemoved.Hit()
 	if err := fsutil.RemoveDurably(c.exportFile(id)); err != nil {
 		return status.Errorf(codes.Internal, "removing the export file of %s: %v", id, err)
 	}
 	if err := fsutil.RemoveDurably(c.volumeMeta(id)); err != nil {
 		return status.Errorf(codes.Internal, "removing the record of %s: %v", id, err)
 	}
+	fpDeleteRecordRemoved.Hit()
 	c.mu.Lock()
 	delete(c.volumes, id.String())
 	c.mu.Unlock()
@@ -657,6 +675,7 @@ func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachm
 	if err := fsutil.WriteJSONAtomic(c.volumeMeta(id), rec); err != nil {
 		return nil, status.Errorf(codes.Internal, "recording the attachments of %s: %v", id, err)
 	}
+	fpAttachmentsRecorded.Hit()
 	if err := c.applyExport(ctx, rec); err != nil {
 		if rerr := fsutil.WriteJSONAtomic(c.volumeMeta(id), &old); rerr != nil {
 			klog.ErrorS(rerr, "Restoring a volume record after ganesha refused its export", "volumeID", id)
