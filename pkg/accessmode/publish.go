@@ -38,6 +38,11 @@ type Holder struct {
 	Fingerprint string    `json:"fingerprint"`
 	Workload    Workload  `json:"workload,omitempty"`
 	Since       time.Time `json:"since"`
+	// Device is a device made for this holder alone: a read-only publish of
+	// a raw block volume staged read/write gets its own read-only loop
+	// device, because the kernel does not honour a read-only bind mount of
+	// a device node. Empty otherwise.
+	Device string `json:"device,omitempty"`
 }
 
 // CheckPublish decides whether req may join the holders already on this node

@@ -8,9 +8,11 @@
 package driver
 
 import (
+	"context"
 	"fmt"
 	"slices"
 
+	"k8s.io/klog/v2"
 	"k8s.io/mount-utils"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
@@ -18,6 +20,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/holders"
 	"github.com/modeguard/modeguard/pkg/metrics"
 	"github.com/modeguard/modeguard/pkg/nodeid"
+	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
 // DefaultDriverName is the CSI driver name unless --driver-name says otherwise.
@@ -132,7 +135,46 @@ func (d *Driver) Reconcile() error {
 	if d.holders == nil {
 		return nil
 	}
-	return d.holders.Reconcile(d.isMounted)
+	return d.holders.Reconcile(d.isMounted, func(volumeID string, h accessmode.Holder) {
+		d.releaseHolderDevice(context.Background(), volumeID, h)
+	})
+}
+
+// releaseHolderDevice detaches the device a holder had of its own (see
+// accessmode.Holder.Device); failures are logged, the device may be gone.
+func (d *Driver) releaseHolderDevice(ctx context.Context, volumeID string, h accessmode.Holder) {
+	if h.Device == "" {
+		return
+	}
+	id, nb, err := d.nodeVolume(volumeID)
+	if err != nil {
+		return
+	}
+	rd, ok := nb.(readOnlyDevices)
+	if !ok {
+		return
+	}
+	if err := rd.ReleaseDevice(ctx, id, h.Device); err != nil {
+		klog.ErrorS(err, "Releasing the device of a dropped holder", "volumeID", volumeID, "device", h.Device)
+	}
+}
+
+// releaseDropped releases the devices of the holders before had and after
+// no longer has.
+func (d *Driver) releaseDropped(ctx context.Context, before, after *holders.Record) {
+	for _, h := range before.Holders {
+		if _, kept := after.Holder(h.TargetPath); !kept && h.Device != "" {
+			d.releaseHolderDevice(ctx, before.VolumeID, h)
+		}
+	}
+}
+
+// readOnlyDevices is what a node backend offers when it can give one
+// workload a read-only view of a volume staged read/write (block: a second,
+// read-only loop device of the same image).
+type readOnlyDevices interface {
+	ReadOnlyDevice(ctx context.Context, staged *backend.Staged) (string, error)
+	ReleaseDevice(ctx context.Context, id volumeid.ID, device string) error
 }
 
 // isMounted reports whether p is a mount point (bind mounts included).

@@ -282,7 +282,7 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if err != nil {
 		return nil, err
 	}
-	id, _, err := s.d.nodeVolume(req.GetVolumeId())
+	id, nb, err := s.d.nodeVolume(req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}
@@ -312,7 +312,9 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		Workload: workloadOf(req.GetVolumeContext()),
 		Since:    time.Now().UTC(),
 	}
+	before := rec
 	rec, dropped := holders.DropUnmounted(rec, func(p string) bool { return p == want.TargetPath || s.d.isMounted(p) })
+	defer s.d.releaseDropped(ctx, before, rec)
 	decision := accessmode.CheckPublish(rec.Holders, want)
 	if !decision.Allowed() {
 		s.d.refused(metrics.StagePublish, mode, decision.Reason)
@@ -326,16 +328,37 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if decision.Idempotent && s.d.isMounted(want.TargetPath) {
 		return &csi.NodePublishVolumeResponse{}, nil
 	}
-	if !decision.Idempotent || dropped {
+	if prev, ok := rec.Holder(want.TargetPath); ok && prev.Device != "" {
+		// A publish interrupted after its device was made: start afresh.
+		s.d.releaseHolderDevice(ctx, id.String(), prev)
+	}
+	if staged.AccessType == accessmode.Block && readOnly && !staged.ReadOnly {
+		// The kernel ignores the read-only flag of a bind mount of a device
+		// node: a read-only publish of a device staged read/write needs a
+		// device that is itself read-only.
+		rd, ok := nb.(readOnlyDevices)
+		if !ok {
+			return nil, status.Errorf(codes.FailedPrecondition,
+				"volume %s is staged read/write and its backend cannot make a read-only device for a read-only publish", id)
+		}
+		dev, err := rd.ReadOnlyDevice(ctx, staged)
+		if err != nil {
+			return nil, err
+		}
+		want.Device = dev
+	}
+	if !decision.Idempotent || dropped || want.Device != "" {
 		// The holder is recorded before the mount is made: a crash in
 		// between leaves a holder without a mount, which Reconcile drops,
 		// and never a mount nobody accounts for.
 		if err := s.d.holders.Save(id, rec.WithHolder(want)); err != nil {
+			s.d.releaseHolderDevice(ctx, id.String(), want)
 			return nil, status.Errorf(codes.Internal, "recording the holder of %s: %v", id, err)
 		}
 		fpPublishHolderRecorded.Hit()
 	}
-	if err := s.bindMount(staged, want.TargetPath, readOnly); err != nil {
+	if err := s.bindMount(staged, want.TargetPath, readOnly, want.Device); err != nil {
+		s.d.releaseHolderDevice(ctx, id.String(), want)
 		if serr := s.d.holders.Save(id, rec.WithoutHolder(want.TargetPath)); serr != nil {
 			klog.ErrorS(serr, "Removing the holder of a failed publish", "volumeID", id)
 		}
@@ -353,10 +376,13 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 // helper, no fstab, no mtab), and the command costs a fork and exec on every
 // publish. A read-only bind takes a second call (the kernel ignores
 // MS_RDONLY on the first) and is undone if that fails.
-func (s *nodeServer) bindMount(staged *backend.Staged, target string, readOnly bool) error {
+func (s *nodeServer) bindMount(staged *backend.Staged, target string, readOnly bool, device string) error {
 	source := staged.StagingPath
 	if staged.AccessType == accessmode.Block {
 		source = staged.Device
+		if device != "" {
+			source = device
+		}
 		if err := os.MkdirAll(filepath.Dir(target), 0o750); err != nil {
 			return status.Errorf(codes.Internal, "creating the parent of %s: %v", target, err)
 		}
@@ -413,10 +439,15 @@ func (s *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 		return nil, err
 	}
 	defer release()
-	if _, held := rec.Holder(req.GetTargetPath()); !held {
+	h, held := rec.Holder(req.GetTargetPath())
+	if !held {
 		// Nothing of ours is there; a mount we did not make is not ours to remove.
 		return &csi.NodeUnpublishVolumeResponse{}, nil
 	}
+	// A device of the holder's own goes first: a bind mount of a device
+	// node does not keep the device, and a crash after this leaves a
+	// holder whose device is gone, which a retry handles.
+	s.d.releaseHolderDevice(ctx, id.String(), h)
 	if err := s.d.unmountAll(req.GetTargetPath()); err != nil {
 		return nil, status.Errorf(codes.Internal, "unmounting %s: %v", req.GetTargetPath(), err)
 	}

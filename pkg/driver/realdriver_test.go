@@ -6,10 +6,12 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
@@ -811,4 +813,58 @@ func TestSymlinkPathsRefused(t *testing.T) {
 	if err := e.publish(t, volID, staging, e.targetPath("plain"), c, pc, false); err != nil {
 		t.Errorf("publish at a plain path after the refusals: %v", err)
 	}
+}
+
+// A read-only publish of a raw block volume staged read/write gets a device
+// that is itself read-only: the kernel ignores the read-only flag of a bind
+// mount of a device node, so the bind alone would let the workload write.
+// The read/write publish next to it still writes; unpublishing detaches the
+// read-only device.
+func TestReadOnlyRawBlockPublishCannotWrite(t *testing.T) {
+	e := newEnv(t, 0)
+	c := blockCap(accessmode.SingleNodeMultiWriter)
+	volID, staging, pc := e.setup(t, "ro-raw", c)
+	rw, ro := e.targetPath("rw"), e.targetPath("ro")
+	if err := e.publish(t, volID, staging, rw, c, pc, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.publish(t, volID, staging, ro, c, pc, true); err != nil {
+		t.Fatal(err)
+	}
+	write := func(p string) error {
+		f, err := os.OpenFile(p, os.O_WRONLY, 0)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		_, err = f.Write(make([]byte, 4096))
+		return err
+	}
+	if err := write(rw); err != nil {
+		t.Fatalf("the read/write publish cannot write: %v", err)
+	}
+	if err := write(ro); err == nil {
+		t.Fatalf("a write through the read-only publish at %s succeeded", ro)
+	}
+	loopsBefore := len(localLoops(t))
+	if _, err := e.node.NodeUnpublishVolume(ctx(t), &csi.NodeUnpublishVolumeRequest{VolumeId: volID, TargetPath: ro}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(3 * time.Second)
+	for len(localLoops(t)) != loopsBefore-1 && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if n := len(localLoops(t)); n != loopsBefore-1 {
+		t.Fatalf("unpublishing the read-only target left %d loop devices bound, want %d", n, loopsBefore-1)
+	}
+}
+
+// localLoops lists the bound loop devices of the machine.
+func localLoops(t *testing.T) []string {
+	t.Helper()
+	out, err := exec.Command("losetup", "--noheadings", "--output", "NAME", "--list").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.Fields(string(out))
 }

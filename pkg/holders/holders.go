@@ -68,7 +68,7 @@ func (r *Record) WithHolder(h accessmode.Holder) *Record {
 
 // WithoutHolder returns a copy of the record without the holder at targetPath.
 func (r *Record) WithoutHolder(targetPath string) *Record {
-	out := &Record{VolumeID: r.VolumeID, NodeID: r.NodeID, Staged: r.Staged}
+	out := &Record{VolumeID: r.VolumeID, NodeID: r.NodeID, Staged: r.Staged, StagePending: r.StagePending}
 	for _, h := range r.Holders {
 		if h.TargetPath != targetPath {
 			out.Holders = append(out.Holders, h)
@@ -187,7 +187,7 @@ func (s *Store) RemoveLeftovers() {
 // mounted (its workload vanished while nobody was watching), logging each.
 // It returns the pruned record and whether anything was dropped.
 func DropUnmounted(rec *Record, isMounted func(path string) bool) (*Record, bool) {
-	out := &Record{VolumeID: rec.VolumeID, NodeID: rec.NodeID, Staged: rec.Staged}
+	out := &Record{VolumeID: rec.VolumeID, NodeID: rec.NodeID, Staged: rec.Staged, StagePending: rec.StagePending}
 	dropped := false
 	for _, h := range rec.Holders {
 		if isMounted(h.TargetPath) {
@@ -204,8 +204,10 @@ func DropUnmounted(rec *Record, isMounted func(path string) bool) (*Record, bool
 
 // Reconcile drops, in every lock file, the holders whose target paths are no
 // longer mounted. Run at start-up, so that a volume whose workload went away
-// while the plugin was down is not locked forever.
-func (s *Store) Reconcile(isMounted func(path string) bool) error {
+// while the plugin was down is not locked forever. release, when set, is
+// called for each dropped holder that has a device of its own, before the
+// record forgets it.
+func (s *Store) Reconcile(isMounted func(path string) bool, release func(volumeID string, h accessmode.Holder)) error {
 	s.RemoveLeftovers()
 	records, err := s.All()
 	if err != nil {
@@ -215,6 +217,13 @@ func (s *Store) Reconcile(isMounted func(path string) bool) error {
 		pruned, dropped := DropUnmounted(rec, isMounted)
 		if !dropped {
 			continue
+		}
+		if release != nil {
+			for _, h := range rec.Holders {
+				if _, kept := pruned.Holder(h.TargetPath); !kept && h.Device != "" {
+					release(rec.VolumeID, h)
+				}
+			}
 		}
 		id, err := volumeid.Parse(rec.VolumeID)
 		if err != nil {

@@ -359,7 +359,7 @@ func TestReconcile(t *testing.T) {
 		asked = append(asked, p)
 		return strings.HasPrefix(p, "/m/")
 	}
-	if err := s.Reconcile(isMounted); err != nil {
+	if err := s.Reconcile(isMounted, nil); err != nil {
 		t.Fatalf("Reconcile: %v", err)
 	}
 	for _, p := range []string{"/m/keep", "/m/partial-1", "/u/partial-2", "/u/staged", "/u/gone"} {
@@ -409,7 +409,7 @@ func TestReconcileRemovesTempLeftovers(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if err := s.Reconcile(func(string) bool { return true }); err != nil {
+	if err := s.Reconcile(func(string) bool { return true }, nil); err != nil {
 		t.Fatalf("Reconcile with temp leftovers: %v", err)
 	}
 	names := dirNames(t, s.Dir())
@@ -454,7 +454,7 @@ func TestReconcileIgnoresLockFileClaimingAnotherVolume(t *testing.T) {
 	if err := os.WriteFile(filePath(s, impostor), data, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	_ = s.Reconcile(func(p string) bool { return strings.HasPrefix(p, "/m/") })
+	_ = s.Reconcile(func(p string) bool { return strings.HasPrefix(p, "/m/") }, nil)
 
 	after, err := os.ReadFile(filePath(s, victim))
 	if err != nil {

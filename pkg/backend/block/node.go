@@ -436,3 +436,39 @@ func (n *Node) Health(ctx context.Context, staged *backend.Staged) backend.Healt
 	}
 	return backend.Health{Message: fmt.Sprintf("attached at %s", staged.Device)}
 }
+
+// ReadOnlyDevice attaches the volume's image once more, read-only, for one
+// read-only publish of a raw block volume staged read/write: the kernel
+// ignores the read-only flag of a bind mount of a device node, so only a
+// device that is itself read-only keeps that workload from writing.
+func (n *Node) ReadOnlyDevice(ctx context.Context, staged *backend.Staged) (string, error) {
+	id, err := volumeid.ParseKind(staged.VolumeID, volumeid.Volume)
+	if err != nil {
+		return "", status.Errorf(codes.InvalidArgument, "staged volume id: %v", err)
+	}
+	_, image, err := n.locate(id)
+	if err != nil {
+		return "", err
+	}
+	dev, err := loop.Attach(ctx, image, true)
+	if err != nil {
+		return "", status.Errorf(codes.Internal, "attaching volume %s read-only: %v", id, err)
+	}
+	return dev.Path, nil
+}
+
+// ReleaseDevice detaches a device ReadOnlyDevice made, if it is still bound
+// to the volume's image (a device since reused for another image stays).
+func (n *Node) ReleaseDevice(ctx context.Context, id volumeid.ID, device string) error {
+	_, image, err := n.locate(id)
+	if err != nil {
+		return err
+	}
+	if !loop.ValidDevice(device) {
+		return status.Errorf(codes.Internal, "%q is not a loop device; refusing to touch it", device)
+	}
+	if _, err := loop.DetachIfBackedBy(ctx, device, image); err != nil {
+		return status.Errorf(codes.Internal, "detaching %s: %v", device, err)
+	}
+	return nil
+}
