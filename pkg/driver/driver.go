@@ -173,7 +173,8 @@ func (d *Driver) releaseDropped(ctx context.Context, before, after *holders.Reco
 // workload a read-only view of a volume staged read/write (block: a second,
 // read-only loop device of the same image).
 type readOnlyDevices interface {
-	ReadOnlyDevice(ctx context.Context, staged *backend.Staged) (string, error)
+	FreeDevice(ctx context.Context) (string, error)
+	ReadOnlyDevice(ctx context.Context, staged *backend.Staged, device string) error
 	ReleaseDevice(ctx context.Context, id volumeid.ID, device string) error
 }
 

@@ -336,23 +336,14 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		// The kernel ignores the read-only flag of a bind mount of a device
 		// node: a read-only publish of a device staged read/write needs a
 		// device that is itself read-only.
-		rd, ok := nb.(readOnlyDevices)
-		if !ok {
-			return nil, status.Errorf(codes.FailedPrecondition,
-				"volume %s is staged read/write and its backend cannot make a read-only device for a read-only publish", id)
-		}
-		dev, err := rd.ReadOnlyDevice(ctx, staged)
-		if err != nil {
+		if err := s.readOnlyDevice(ctx, id, nb, staged, rec, &want); err != nil {
 			return nil, err
 		}
-		want.Device = dev
-	}
-	if !decision.Idempotent || dropped || want.Device != "" {
+	} else if !decision.Idempotent || dropped {
 		// The holder is recorded before the mount is made: a crash in
 		// between leaves a holder without a mount, which Reconcile drops,
 		// and never a mount nobody accounts for.
 		if err := s.d.holders.Save(id, rec.WithHolder(want)); err != nil {
-			s.d.releaseHolderDevice(ctx, id.String(), want)
 			return nil, status.Errorf(codes.Internal, "recording the holder of %s: %v", id, err)
 		}
 		fpPublishHolderRecorded.Hit()
@@ -368,6 +359,40 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	klog.InfoS("Volume published", "volumeID", id, "targetPath", want.TargetPath, "workload", want.Workload.String(),
 		"mode", accessmode.Name(mode), "readOnly", readOnly)
 	return &csi.NodePublishVolumeResponse{}, nil
+}
+
+// readOnlyDevice gives want a read-only device of its own. The device is
+// named and recorded with the holder before anything is bound to it, so a
+// crash at any point leaves a holder that names its device, which dropping
+// the holder releases (a device never bound, or bound to another image
+// since, is left alone). Another process may take the named device before
+// it is bound; then the next free one is tried.
+func (s *nodeServer) readOnlyDevice(ctx context.Context, id volumeid.ID, nb backend.Node, staged *backend.Staged, rec *holders.Record, want *accessmode.Holder) error {
+	rd, ok := nb.(readOnlyDevices)
+	if !ok {
+		return status.Errorf(codes.FailedPrecondition,
+			"volume %s is staged read/write and its backend cannot make a read-only device for a read-only publish", id)
+	}
+	var lastErr error
+	for range 5 {
+		dev, err := rd.FreeDevice(ctx)
+		if err != nil {
+			return err
+		}
+		want.Device = dev
+		if err := s.d.holders.Save(id, rec.WithHolder(*want)); err != nil {
+			return status.Errorf(codes.Internal, "recording the holder of %s: %v", id, err)
+		}
+		fpPublishHolderRecorded.Hit()
+		if lastErr = rd.ReadOnlyDevice(ctx, staged, dev); lastErr == nil {
+			return nil
+		}
+	}
+	want.Device = ""
+	if err := s.d.holders.Save(id, rec.WithoutHolder(want.TargetPath)); err != nil {
+		klog.ErrorS(err, "Removing the holder of a failed publish", "volumeID", id)
+	}
+	return lastErr
 }
 
 // bindMount makes the staged volume visible at target: the staging mount for

@@ -49,6 +49,7 @@ var crashPoints = map[string]string{
 	"node.publish.mounted":          "node",
 	"node.unpublish.unmounted":      "node",
 	"block.unstage.unmounted":       "node",
+	"block.expand.device-refreshed": "node",
 	"node.unstage.backend-unstaged": "node",
 }
 
@@ -235,9 +236,11 @@ func crashScenario(t *testing.T, bin, point, where string) {
 		}
 	}
 
+	// xfs: it grows while mounted without CAP_SYS_RESOURCE, which growing a
+	// mounted ext4 needs and these machines withhold.
 	mountCap := &csi.VolumeCapability{
 		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "xfs"}},
 	}
 	var nodeID, volID, snapID string
 	var volCtx, pubCtx map[string]string
@@ -247,7 +250,7 @@ func crashScenario(t *testing.T, bin, point, where string) {
 		return err
 	})
 	call("CreateVolume", ctrl, func(ctx context.Context) error {
-		r, err := cc().CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "crash", CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
+		r, err := cc().CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "crash", CapacityRange: &csi.CapacityRange{RequiredBytes: 320 << 20},
 			VolumeCapabilities: []*csi.VolumeCapability{mountCap}})
 		volID, volCtx = r.GetVolume().GetVolumeId(), r.GetVolume().GetVolumeContext()
 		return err
@@ -298,9 +301,18 @@ func crashScenario(t *testing.T, bin, point, where string) {
 
 	call("ControllerExpandVolume", ctrl, func(ctx context.Context) error {
 		_, err := cc().ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: volID,
-			CapacityRange: &csi.CapacityRange{RequiredBytes: 96 << 20}, VolumeCapability: mountCap})
+			CapacityRange: &csi.CapacityRange{RequiredBytes: 400 << 20}, VolumeCapability: mountCap})
 		return err
 	})
+	call("NodeExpandVolume", node, func(ctx context.Context) error {
+		_, err := nc().NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: volID, VolumePath: first, StagingTargetPath: staging,
+			CapacityRange: &csi.CapacityRange{RequiredBytes: 400 << 20}, VolumeCapability: mountCap})
+		return err
+	})
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(first, &st); err != nil || int64(st.Blocks)*st.Bsize < 300<<20 {
+		t.Fatalf("after NodeExpandVolume the filesystem has %d bytes (err %v), want more than 300 MiB (400 MiB less the xfs log)", int64(st.Blocks)*st.Bsize, err)
+	}
 	call("CreateSnapshot", ctrl, func(ctx context.Context) error {
 		r, err := cc().CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: volID, Name: "crash-snap"})
 		snapID = r.GetSnapshot().GetSnapshotId()

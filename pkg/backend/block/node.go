@@ -177,6 +177,7 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 var (
 	fpStageAttached    = faultpoint.New("block.stage.attached")
 	fpUnstageUnmounted = faultpoint.New("block.unstage.unmounted")
+	fpExpandRefreshed  = faultpoint.New("block.expand.device-refreshed")
 )
 
 // detachUnused detaches the loop devices bound to image that nothing uses
@@ -380,6 +381,7 @@ func (n *Node) Expand(ctx context.Context, staged *backend.Staged) (int64, error
 	if err := loop.Refresh(ctx, staged.Device); err != nil {
 		return 0, status.Errorf(codes.Internal, "refreshing size of %s: %v", staged.Device, err)
 	}
+	fpExpandRefreshed.Hit()
 	if staged.AccessType == accessmode.Mount && !staged.ReadOnly {
 		if _, err := n.resizer.Resize(staged.Device, staged.StagingPath); err != nil {
 			if strings.Contains(err.Error(), "Permission denied to resize filesystem") {
@@ -437,24 +439,33 @@ func (n *Node) Health(ctx context.Context, staged *backend.Staged) backend.Healt
 	return backend.Health{Message: fmt.Sprintf("attached at %s", staged.Device)}
 }
 
-// ReadOnlyDevice attaches the volume's image once more, read-only, for one
-// read-only publish of a raw block volume staged read/write: the kernel
-// ignores the read-only flag of a bind mount of a device node, so only a
-// device that is itself read-only keeps that workload from writing.
-func (n *Node) ReadOnlyDevice(ctx context.Context, staged *backend.Staged) (string, error) {
+// FreeDevice names a free loop device for ReadOnlyDevice, so that the
+// caller can record it before anything is bound to it.
+func (n *Node) FreeDevice(ctx context.Context) (string, error) {
+	dev, err := loop.Free(ctx)
+	if err != nil {
+		return "", status.Errorf(codes.Internal, "finding a free loop device: %v", err)
+	}
+	return dev, nil
+}
+
+// ReadOnlyDevice binds the volume's image once more, read-only, at device,
+// for one read-only publish of a raw block volume staged read/write: the
+// kernel ignores the read-only flag of a bind mount of a device node, so
+// only a device that is itself read-only keeps that workload from writing.
+func (n *Node) ReadOnlyDevice(ctx context.Context, staged *backend.Staged, device string) error {
 	id, err := volumeid.ParseKind(staged.VolumeID, volumeid.Volume)
 	if err != nil {
-		return "", status.Errorf(codes.InvalidArgument, "staged volume id: %v", err)
+		return status.Errorf(codes.InvalidArgument, "staged volume id: %v", err)
 	}
 	_, image, err := n.locate(id)
 	if err != nil {
-		return "", err
+		return err
 	}
-	dev, err := loop.Attach(ctx, image, true)
-	if err != nil {
-		return "", status.Errorf(codes.Internal, "attaching volume %s read-only: %v", id, err)
+	if _, err := loop.AttachAt(ctx, device, image, true); err != nil {
+		return status.Errorf(codes.Internal, "attaching volume %s read-only at %s: %v", id, device, err)
 	}
-	return dev.Path, nil
+	return nil
 }
 
 // ReleaseDevice detaches a device ReadOnlyDevice made, if it is still bound

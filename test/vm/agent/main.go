@@ -234,6 +234,7 @@ func (p *plugin) start(ctx context.Context, req *agentapi.PluginRequest) (any, e
 	}
 	fmt.Fprintf(logFile, "=== agent %s: %s starting %s %s\n", *name, time.Now().Format(time.RFC3339Nano), req.Path, strings.Join(req.Args, " "))
 	cmd := exec.Command(req.Path, req.Args...)
+	cmd.Env = append(os.Environ(), req.Env...)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	// Its own process group, so that a Ctrl-C on the console or an
 	// agent's exit does not signal it.

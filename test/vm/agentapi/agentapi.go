@@ -49,6 +49,7 @@ type PluginRequest struct {
 	Args  []string `json:"args"`
 	Log   string   `json:"log"`   // file the plugin's output is appended to
 	Probe string   `json:"probe"` // host:port that accepts connections once the plugin serves
+	Env   []string `json:"env,omitempty"` // added to the agent's environment (fault points)
 }
 
 // PluginResponse tells the plugin's state.

@@ -20,6 +20,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
+	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/test/testenv"
 	"github.com/modeguard/modeguard/test/vm/vmtest"
@@ -329,5 +330,77 @@ func TestKernelNFSAccessModes(t *testing.T) {
 		v.mustWrite("vm1", "db-0", "still", "writable after the restart")
 		v.stop("vm1", "db-0")
 		v.delete()
+	})
+
+	t.Run("the node plugin killed at every step of an NFS volume's life converges", func(t *testing.T) {
+		e.t = t
+		vm1 := e.vm("vm1")
+		// The node plugin's steps are the driver's, the same for both
+		// backends; here the mount underneath is the kernel's NFS client.
+		for i, point := range []string{"node.stage.backend-staged", "node.stage.recorded", "node.publish.holder-recorded",
+			"node.publish.mounted", "node.unpublish.unmounted", "node.unstage.backend-unstaged"} {
+			if err := vm1.StartPluginEnv(e.ctx, []string{faultpoint.EnvVar + "=" + point}, "--max-volumes-per-node", "8"); err != nil {
+				t.Fatal(err)
+			}
+			v := e.create(fmt.Sprintf("crash-%d", i), accessmode.SingleNodeWriter, nil)
+			killed := 0
+			// retry runs a node call; when the plugin died, it restarts it
+			// without the fault and runs the call again, as a CO does.
+			retry := func(what string, f func() error) {
+				t.Helper()
+				for attempt := 0; ; attempt++ {
+					err := f()
+					if err == nil {
+						return
+					}
+					st, serr := vm1.PluginStatus(e.ctx)
+					if serr != nil {
+						t.Fatal(serr)
+					}
+					if !st.Running {
+						if !strings.Contains(st.Exit, "killed") {
+							t.Fatalf("%s: the plugin ended, not by SIGKILL: %s", what, st.Exit)
+						}
+						killed++
+						if err := vm1.StartPlugin(e.ctx, "--max-volumes-per-node", "8"); err != nil {
+							t.Fatal(err)
+						}
+						continue
+					}
+					if status.Code(err) == codes.Unavailable && attempt < 50 {
+						time.Sleep(200 * time.Millisecond) // reconnecting to the restarted plugin
+						continue
+					}
+					t.Fatalf("%s at %s: %v", what, point, err)
+				}
+			}
+			wantCode(t, "attach to vm1", v.attach("vm1", false), codes.OK)
+			retry("NodeStageVolume", func() error { return v.stage("vm1") })
+			retry("NodePublishVolume", func() error { return v.mountPod("vm1", "app", false) })
+			v.mustWrite("vm1", "app", "data", "written at "+point)
+			v.mustRead("vm1", "app", "data", "written at "+point)
+			retry("NodeUnpublishVolume", func() error {
+				_, err := e.nodes["vm1"].NodeUnpublishVolume(e.ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: v.v.GetVolumeId(), TargetPath: v.target("vm1", "app")})
+				return err
+			})
+			retry("NodeUnstageVolume", func() error {
+				_, err := e.nodes["vm1"].NodeUnstageVolume(e.ctx, &csi.NodeUnstageVolumeRequest{VolumeId: v.v.GetVolumeId(), StagingTargetPath: v.staging("vm1")})
+				return err
+			})
+			if killed != 1 {
+				t.Fatalf("the plugin died %d times at %s; want once", killed, point)
+			}
+			if out, _, err := vm1.Run(e.ctx, "cat", "/proc/mounts"); err != nil || strings.Contains(out, " nfs4 ") {
+				t.Fatalf("an NFS mount is left on vm1 after %s (err %v):\n%s", point, err, out)
+			}
+			if _, err := e.ctrl.CSI.ControllerUnpublishVolume(e.ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: v.v.GetVolumeId(), NodeId: e.nodeID("vm1")}); err != nil {
+				t.Fatal(err)
+			}
+			delete(v.published, "vm1")
+			v.delete()
+		}
+		if err := vm1.StartPlugin(e.ctx, "--max-volumes-per-node", "8"); err != nil {
+			t.Fatal(err)
+		}
 	})
 }

@@ -73,6 +73,12 @@ func (v *VM) pluginLogPath() string { return filepath.Join(v.dir, "plugin.log") 
 // and returns when the endpoint accepts connections, or an error with the
 // plugin's log tail. Without a deadline in ctx it waits at most 2 minutes.
 func (v *VM) StartPlugin(ctx context.Context, extra ...string) error {
+	return v.StartPluginEnv(ctx, nil, extra...)
+}
+
+// StartPluginEnv is StartPlugin with env added to the plugin's environment
+// (a fault point to die at, say).
+func (v *VM) StartPluginEnv(ctx context.Context, env []string, extra ...string) error {
 	if v.c.opts.Binary == "" {
 		return fmt.Errorf("%s: no plugin binary: set Options.Binary", v.Name)
 	}
@@ -88,7 +94,7 @@ func (v *VM) StartPlugin(ctx context.Context, extra ...string) error {
 	var resp agentapi.PluginResponse
 	err := v.call(ctx, agentapi.PathPluginStart, agentapi.PluginRequest{
 		Path: v.c.opts.Binary, Args: args, Log: v.pluginLogPath(),
-		Probe: "127.0.0.1:" + strconv.Itoa(pluginPort),
+		Probe: "127.0.0.1:" + strconv.Itoa(pluginPort), Env: env,
 	}, &resp)
 	if err != nil {
 		return fmt.Errorf("starting the node plugin: %w", err)
@@ -97,6 +103,13 @@ func (v *VM) StartPlugin(ctx context.Context, extra ...string) error {
 		return fmt.Errorf("%s: starting the node plugin: %s", v.Name, resp.Error)
 	}
 	return nil
+}
+
+// PluginStatus tells whether the plugin runs and, if it ended, how.
+func (v *VM) PluginStatus(ctx context.Context) (agentapi.PluginResponse, error) {
+	var resp agentapi.PluginResponse
+	err := v.call(ctx, agentapi.PathPluginStatus, struct{}{}, &resp)
+	return resp, err
 }
 
 // KillPlugin sends SIGKILL to the plugin process and waits until it is gone.

@@ -82,6 +82,45 @@ func Attach(ctx context.Context, image string, readOnly bool) (Device, error) {
 	return dev, err
 }
 
+// Free names the first free loop device (losetup --find, which creates one
+// when none is free). For a caller that records a device before binding it;
+// another process may take it meanwhile, and AttachAt then fails.
+func Free(ctx context.Context) (string, error) {
+	stdout, err := run(ctx, "losetup", "--find")
+	if err != nil {
+		return "", err
+	}
+	dev := firstLine(stdout)
+	if !ValidDevice(dev) {
+		return "", fmt.Errorf("losetup --find reported %q, not a loop device", dev)
+	}
+	return dev, nil
+}
+
+// AttachAt binds image to dev, which must be free, with direct I/O where
+// the filesystem allows it, like Attach.
+func AttachAt(ctx context.Context, dev, image string, readOnly bool) (Device, error) {
+	if !ValidDevice(dev) {
+		return Device{}, fmt.Errorf("%q is not a loop device", dev)
+	}
+	var args []string
+	if readOnly {
+		args = append(args, "--read-only")
+	}
+	_, dioErr := run(ctx, "losetup", append(append([]string{}, args...), "--direct-io=on", dev, image)...)
+	if dioErr == nil {
+		return describe(dev, readOnly)
+	}
+	// A device bound by the failed attempt is released before trying again.
+	if _, err := DetachIfBackedBy(ctx, dev, image); err != nil {
+		return Device{}, fmt.Errorf("releasing %s after a failed direct-I/O attach: %w (attach: %v)", dev, err, dioErr)
+	}
+	if _, err := run(ctx, "losetup", append(args, dev, image)...); err != nil {
+		return Device{}, fmt.Errorf("%w (with direct I/O: %v)", err, dioErr)
+	}
+	return describe(dev, readOnly)
+}
+
 func describe(dev string, readOnly bool) (Device, error) {
 	if !ValidDevice(dev) {
 		return Device{}, fmt.Errorf("losetup reported %q, not a loop device", dev)
