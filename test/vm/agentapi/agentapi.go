@@ -47,8 +47,8 @@ type FileResponse struct {
 type PluginRequest struct {
 	Path  string   `json:"path"`
 	Args  []string `json:"args"`
-	Log   string   `json:"log"`   // file the plugin's output is appended to
-	Probe string   `json:"probe"` // host:port that accepts connections once the plugin serves
+	Log   string   `json:"log"`           // file the plugin's output is appended to
+	Probe string   `json:"probe"`         // host:port that accepts connections once the plugin serves
 	Env   []string `json:"env,omitempty"` // added to the agent's environment (fault points)
 }
 
