@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/test/testfiles"
 )
 
 // FuzzParseParams: ParseParams either refuses with InvalidArgument and the
@@ -73,25 +74,6 @@ func FuzzParseParams(f *testing.F) {
 	})
 }
 
-// mountSplit splits a mount option string as mount(8) (libmount) and
-// mount.nfs do: at commas outside double quotes. ok is false when a quote
-// is left open, which makes them drop or swallow the rest of the string.
-func mountSplit(optstr string) (opts []string, ok bool) {
-	quoted, start := false, 0
-	for i := 0; i < len(optstr); i++ {
-		switch optstr[i] {
-		case '"':
-			quoted = !quoted
-		case ',':
-			if !quoted {
-				opts = append(opts, optstr[start:i])
-				start = i + 1
-			}
-		}
-	}
-	return append(opts, optstr[start:]), !quoted
-}
-
 // unsafeFlag reports whether a mount flag holds what parseCapability
 // refuses: a double quote or a control character.
 func unsafeFlag(f string) bool {
@@ -150,7 +132,7 @@ func FuzzParseCapability(f *testing.F) {
 			}
 		}
 		optstr := strings.Join(append(slices.Clone(flags), "ro"), ",")
-		got, ok := mountSplit(optstr)
+		got, ok := testfiles.MountSplit(optstr)
 		if want := strings.Split(optstr, ","); !ok || !slices.Equal(got, want) {
 			t.Fatalf("parseCapability accepted the mount flags %q, which mount(8) reads as %q, not %q", flags, got, want)
 		}

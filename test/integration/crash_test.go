@@ -6,7 +6,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
-	"io/fs"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -53,18 +53,19 @@ var crashPoints = map[string]string{
 	"node.unstage.backend-unstaged": "node",
 }
 
-// Every fault point the block backend and the driver declare is exercised.
+// Every fault point the driver and its backends declare is exercised by a
+// crash scenario, and every scenario names a declared point.
 func TestCrashPointsCoverEveryDeclaredPoint(t *testing.T) {
 	var missing []string
 	for _, n := range faultpoint.Names() {
-		if (strings.HasPrefix(n, "block.") || strings.HasPrefix(n, "node.")) && crashPoints[n] == "" {
+		if crashPoints[n] == "" && !slices.Contains(nfsCrashPoints, n) {
 			missing = append(missing, n)
 		}
 	}
 	if len(missing) > 0 {
 		t.Fatalf("fault points without a crash scenario: %v", missing)
 	}
-	for n := range crashPoints {
+	for _, n := range append(slices.Collect(maps.Keys(crashPoints)), nfsCrashPoints...) {
 		if !slices.Contains(faultpoint.Names(), n) {
 			t.Errorf("crash scenario for %s, which no code declares", n)
 		}
@@ -163,6 +164,30 @@ func (p *crashProc) diedOfSIGKILL() bool {
 	return true
 }
 
+// call runs one CSI call to p; when p died of SIGKILL meanwhile, it
+// restarts p and retries the call, as a CO would.
+func (p *crashProc) call(what string, f func(ctx context.Context) error) {
+	p.t.Helper()
+	for attempt := 0; ; attempt++ {
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		err := f(ctx)
+		cancel()
+		if err == nil {
+			return
+		}
+		if p.diedOfSIGKILL() {
+			p.t.Logf("%s: %s killed; restarting it and retrying", what, p.name)
+			p.start()
+			continue
+		}
+		if status.Code(err) == codes.Unavailable && attempt < 20 {
+			time.Sleep(100 * time.Millisecond) // reconnecting to the restarted process
+			continue
+		}
+		p.t.Fatalf("%s: %v", what, err)
+	}
+}
+
 func (p *crashProc) stop() {
 	if p.cmd != nil {
 		select {
@@ -212,28 +237,9 @@ func crashScenario(t *testing.T, bin, point, where string) {
 	cc := func() csi.ControllerClient { return csi.NewControllerClient(ctrl.conn) }
 	nc := func() csi.NodeClient { return csi.NewNodeClient(node.conn) }
 
-	// call runs one CSI call; when the process it went to died of SIGKILL,
-	// it restarts that process and retries the call, as a CO would.
 	call := func(what string, p *crashProc, f func(ctx context.Context) error) {
 		t.Helper()
-		for attempt := 0; ; attempt++ {
-			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-			err := f(ctx)
-			cancel()
-			if err == nil {
-				return
-			}
-			if p.diedOfSIGKILL() {
-				t.Logf("%s: %s killed at %s; restarting it and retrying", what, p.name, point)
-				p.start()
-				continue
-			}
-			if status.Code(err) == codes.Unavailable && attempt < 20 {
-				time.Sleep(100 * time.Millisecond)
-				continue
-			}
-			t.Fatalf("%s: %v", what, err)
-		}
+		p.call(what, f)
 	}
 
 	// xfs: it grows while mounted without CAP_SYS_RESOURCE, which growing a
@@ -352,30 +358,7 @@ func crashScenario(t *testing.T, bin, point, where string) {
 	ctrl.stop()
 	node.stop()
 	ctrl.conn, node.conn = nil, nil
-	// losetup --detach of a device whose last user is just going away
-	// only marks it for autoclear; the kernel unbinds it a moment later.
-	loops := localcluster.LoopsUnder(work)
-	for end := time.Now().Add(3 * time.Second); len(loops) > 0 && time.Now().Before(end); loops = localcluster.LoopsUnder(work) {
-		time.Sleep(100 * time.Millisecond)
-	}
-	if len(loops) > 0 {
-		t.Errorf("loop devices left: %v", loops)
-	}
-	if mounts := localcluster.MountsUnder(work); len(mounts) > 0 {
-		t.Errorf("mounts left: %v", mounts)
-	}
-	for _, dir := range []string{pool, state} {
-		var files []string
-		_ = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
-			if err == nil && !d.IsDir() {
-				files = append(files, strings.TrimPrefix(p, work+"/"))
-			}
-			return nil
-		})
-		if len(files) > 0 {
-			t.Errorf("files left in %s: %v", filepath.Base(dir), files)
-		}
-	}
+	assertNothingLeft(t, work, []string{pool, state})
 }
 
 func writeSynced(t *testing.T, path string, data []byte) {
@@ -454,11 +437,7 @@ func TestInterruptedStageUndoneByUnstage(t *testing.T) {
 	if _, err := csi.NewNodeClient(node.conn).NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
 		t.Fatalf("NodeUnstageVolume after the interrupted stage: %v", err)
 	}
-	loops := localcluster.LoopsUnder(work)
-	for end := time.Now().Add(3 * time.Second); len(loops) > 0 && time.Now().Before(end); loops = localcluster.LoopsUnder(work) {
-		time.Sleep(100 * time.Millisecond)
-	}
-	if len(loops) > 0 {
+	if loops := settledLoops(work, 0); len(loops) > 0 {
 		t.Fatalf("loop devices left after the unstage: %v", loops)
 	}
 	if entries, _ := os.ReadDir(filepath.Join(state, "holders")); len(entries) > 0 {
@@ -613,18 +592,6 @@ var nfsCrashPoints = []string{
 // device or mount is left.
 func TestNFSCrashAtEveryStepConverges(t *testing.T) {
 	testenv.RequireRoot(t)
-	declared := 0
-	for _, n := range faultpoint.Names() {
-		if strings.HasPrefix(n, "nfs.") {
-			declared++
-			if !slices.Contains(nfsCrashPoints, n) {
-				t.Errorf("NFS fault point %s has no crash scenario", n)
-			}
-		}
-	}
-	if declared != len(nfsCrashPoints) {
-		t.Fatalf("%d NFS fault points declared, %d scenarios", declared, len(nfsCrashPoints))
-	}
 	bin := testenv.BuildBinary(t)
 	for i, point := range nfsCrashPoints {
 		t.Run(point, func(t *testing.T) { nfsCrashScenario(t, bin, point, 20600+i) })
@@ -646,27 +613,7 @@ func nfsCrashScenario(t *testing.T, bin, point string, port int) {
 			t.Logf("controller log:\n%s", testenv.ReadFile(ctrl.log))
 		}
 	})
-	call := func(what string, f func(ctx context.Context) error) {
-		t.Helper()
-		for attempt := 0; ; attempt++ {
-			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-			err := f(ctx)
-			cancel()
-			if err == nil {
-				return
-			}
-			if ctrl.diedOfSIGKILL() {
-				t.Logf("%s: controller killed at %s; restarting it and retrying", what, point)
-				ctrl.start()
-				continue
-			}
-			if status.Code(err) == codes.Unavailable && attempt < 20 {
-				time.Sleep(100 * time.Millisecond)
-				continue
-			}
-			t.Fatalf("%s: %v", what, err)
-		}
-	}
+	call := ctrl.call
 	// served asks ganesha, over its own bus, which clients the export of
 	// the volume's directory has; ok is false when there is no such export.
 	served := func(volID string) (clients []string, ok bool) {
@@ -735,22 +682,5 @@ func nfsCrashScenario(t *testing.T, bin, point string, port int) {
 	}
 	ctrl.stop()
 	ctrl.conn = nil
-	if loops := localcluster.LoopsUnder(work); len(loops) > 0 {
-		t.Errorf("loop devices left: %v", loops)
-	}
-	if mounts := localcluster.MountsUnder(work); len(mounts) > 0 {
-		t.Errorf("mounts left: %v", mounts)
-	}
-	var files []string
-	for _, dir := range []string{filepath.Join(work, "nfs", "images"), filepath.Join(work, "nfs", "meta"), filepath.Join(gdir, "exports")} {
-		_ = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
-			if err == nil && !d.IsDir() {
-				files = append(files, strings.TrimPrefix(p, work+"/"))
-			}
-			return nil
-		})
-	}
-	if len(files) > 0 {
-		t.Errorf("files left: %v", files)
-	}
+	assertNothingLeft(t, work, []string{filepath.Join(work, "nfs", "images"), filepath.Join(work, "nfs", "meta"), filepath.Join(gdir, "exports")})
 }

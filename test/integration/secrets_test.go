@@ -15,13 +15,13 @@ import (
 	"github.com/modeguard/modeguard/test/testenv"
 )
 
-// TestSecretsNeverLogged runs the controller and a node plugin binary at
+// TestSecretsNeitherLoggedNorStoredByTheBinaries runs the controller and a node plugin binary at
 // -v 5, where every request and response is logged, and makes every call
 // that carries secrets, the successful ones of a volume's whole life and
 // failing ones (whose errors are logged too), with a secret value that
 // must then appear nowhere in what either process wrote: not in its log,
 // not in the pool, not in the lock files.
-func TestSecretsNeverLogged(t *testing.T) {
+func TestSecretsNeitherLoggedNorStoredByTheBinaries(t *testing.T) {
 	testenv.RequireRoot(t)
 	bin := testenv.BuildBinary(t)
 	work := testenv.Tmpfs(t, "256m")

@@ -71,3 +71,23 @@ func RequireLoopDevices(t testing.TB, why string, tools ...string) {
 		t.Skipf("needs loop devices: %v", err)
 	}
 }
+
+// MountSplit splits a mount option string as mount(8) (libmount), mount.nfs
+// and the kernel do: at commas outside double quotes. ok is false when a
+// quote is left open, which makes them drop or swallow the rest of the
+// string. Fuzz targets use it to see options the way mount(8) will.
+func MountSplit(optstr string) (opts []string, ok bool) {
+	quoted, start := false, 0
+	for i := 0; i < len(optstr); i++ {
+		switch optstr[i] {
+		case '"':
+			quoted = !quoted
+		case ',':
+			if !quoted {
+				opts = append(opts, optstr[start:i])
+				start = i + 1
+			}
+		}
+	}
+	return append(opts, optstr[start:]), !quoted
+}

@@ -6,26 +6,8 @@ import (
 	"testing"
 
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/test/testfiles"
 )
-
-// mountSplit splits a mount option string as mount(8) (libmount) does: at
-// commas outside double quotes. ok is false when a quote is left open,
-// which makes it drop the rest of the string.
-func mountSplit(optstr string) (opts []string, ok bool) {
-	quoted, start := false, 0
-	for i := 0; i < len(optstr); i++ {
-		switch optstr[i] {
-		case '"':
-			quoted = !quoted
-		case ',':
-			if !quoted {
-				opts = append(opts, optstr[start:i])
-				start = i + 1
-			}
-		}
-	}
-	return append(opts, optstr[start:]), !quoted
-}
 
 // FuzzMountOptions: for mount flags the driver lets through
 // (backend.CheckMountFlags), the options keep the CO's flags unchanged and
@@ -66,7 +48,7 @@ func FuzzMountOptions(f *testing.F) {
 			t.Fatalf("mountOptions(%q, %t, %q) = %q: the driver's options are not %q", fsType, readOnly, flags, opts, own)
 		}
 		optstr := strings.Join(opts, ",")
-		seen, ok := mountSplit(optstr)
+		seen, ok := testfiles.MountSplit(optstr)
 		if !ok || !slices.Equal(seen[len(seen)-len(own):], own) {
 			t.Fatalf("mountOptions(%q, %t, %q) = %q, which mount(8) reads as %q", fsType, readOnly, flags, opts, seen)
 		}

@@ -7,26 +7,8 @@ import (
 	"testing"
 
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/test/testfiles"
 )
-
-// mountSplit splits a mount option string as mount(8) (libmount) and
-// mount.nfs do: at commas outside double quotes. ok is false when a quote
-// is left open, which makes them drop or swallow the rest of the string.
-func mountSplit(optstr string) (opts []string, ok bool) {
-	quoted, start := false, 0
-	for i := 0; i < len(optstr); i++ {
-		switch optstr[i] {
-		case '"':
-			quoted = !quoted
-		case ',':
-			if !quoted {
-				opts = append(opts, optstr[start:i])
-				start = i + 1
-			}
-		}
-	}
-	return append(opts, optstr[start:]), !quoted
-}
 
 func optionKey(o string) string {
 	k, _, _ := strings.Cut(o, "=")
@@ -61,7 +43,7 @@ func FuzzMountOptions(f *testing.F) {
 		}
 		opts := mountOptions(flags, int(port), readOnly, server, client)
 		optstr := strings.Join(opts, ",")
-		if seen, ok := mountSplit(optstr); !ok || !slices.Equal(seen, opts) {
+		if seen, ok := testfiles.MountSplit(optstr); !ok || !slices.Equal(seen, opts) {
 			t.Fatalf("mountOptions(%q) = %q, which mount(8) reads as %q", flags, opts, seen)
 		}
 		var co []string

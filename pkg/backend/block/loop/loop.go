@@ -12,14 +12,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/moby/sys/mountinfo"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"unsafe"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 )
@@ -51,35 +52,57 @@ type Device struct {
 // for the loop device), and falls back to buffered I/O where the
 // filesystem holding the image refuses O_DIRECT.
 func Attach(ctx context.Context, image string, readOnly bool) (Device, error) {
+	return attach(ctx, "", image, readOnly)
+}
+
+// attach binds image to dev, or to a free device when dev is "" (losetup
+// --find --show), as Attach describes.
+func attach(ctx context.Context, dev, image string, readOnly bool) (Device, error) {
 	args := []string{"--find", "--show"}
+	if dev != "" {
+		args = nil
+	}
 	if readOnly {
 		args = append(args, "--read-only")
 	}
-	stdout, dioErr := run(ctx, "losetup", append(append([]string{}, args...), "--direct-io=on", image)...)
+	target := []string{image}
+	if dev != "" {
+		target = []string{dev, image}
+	}
+	stdout, dioErr := run(ctx, "losetup", append(append(slices.Clone(args), "--direct-io=on"), target...)...)
 	if dioErr == nil {
-		dev, err := describe(firstLine(stdout), readOnly)
-		if err == nil && !dev.DirectIO {
+		d, err := describe(deviceOf(dev, stdout), readOnly)
+		if err == nil && !d.DirectIO {
 			// Older kernels accept the flag and quietly drop it.
-			klog.InfoS("Kernel turned direct I/O off for loop device, using buffered I/O", "image", image, "device", dev.Path)
+			klog.InfoS("Kernel turned direct I/O off for loop device, using buffered I/O", "image", image, "device", d.Path)
 		}
-		return dev, err
+		return d, err
 	}
-	// Some losetup versions print the device and then fail to switch on
+	// Some losetup versions bind the device and then fail to switch on
 	// direct I/O, leaving it bound; release it before trying again.
-	if dev := firstLine(stdout); ValidDevice(dev) {
-		if _, err := DetachIfBackedBy(ctx, dev, image); err != nil {
-			return Device{}, fmt.Errorf("releasing %s after a failed direct-I/O attach: %w (attach: %v)", dev, err, dioErr)
+	if bound := deviceOf(dev, stdout); ValidDevice(bound) {
+		if _, err := DetachIfBackedBy(ctx, bound, image); err != nil {
+			return Device{}, fmt.Errorf("releasing %s after a failed direct-I/O attach: %w (attach: %v)", bound, err, dioErr)
 		}
 	}
-	stdout, err := run(ctx, "losetup", append(args, image)...)
+	stdout, err := run(ctx, "losetup", append(args, target...)...)
 	if err != nil {
 		return Device{}, fmt.Errorf("%w (with direct I/O: %v)", err, dioErr)
 	}
-	dev, err := describe(firstLine(stdout), readOnly)
+	d, err := describe(deviceOf(dev, stdout), readOnly)
 	if err == nil {
-		klog.InfoS("Direct I/O refused for image, attached with buffered I/O", "image", image, "device", dev.Path, "directIOError", dioErr.Error())
+		klog.InfoS("Direct I/O refused for image, attached with buffered I/O", "image", image, "device", d.Path, "directIOError", dioErr.Error())
 	}
-	return dev, err
+	return d, err
+}
+
+// deviceOf is dev when the caller named one, else the device losetup
+// --show printed.
+func deviceOf(dev string, stdout []byte) string {
+	if dev != "" {
+		return dev
+	}
+	return firstLine(stdout)
 }
 
 // Free names the first free loop device (losetup --find, which creates one
@@ -97,28 +120,12 @@ func Free(ctx context.Context) (string, error) {
 	return dev, nil
 }
 
-// AttachAt binds image to dev, which must be free, with direct I/O where
-// the filesystem allows it, like Attach.
+// AttachAt binds image to dev, which must be free, like Attach.
 func AttachAt(ctx context.Context, dev, image string, readOnly bool) (Device, error) {
 	if !ValidDevice(dev) {
 		return Device{}, fmt.Errorf("%q is not a loop device", dev)
 	}
-	var args []string
-	if readOnly {
-		args = append(args, "--read-only")
-	}
-	_, dioErr := run(ctx, "losetup", append(append([]string{}, args...), "--direct-io=on", dev, image)...)
-	if dioErr == nil {
-		return describe(dev, readOnly)
-	}
-	// A device bound by the failed attempt is released before trying again.
-	if _, err := DetachIfBackedBy(ctx, dev, image); err != nil {
-		return Device{}, fmt.Errorf("releasing %s after a failed direct-I/O attach: %w (attach: %v)", dev, err, dioErr)
-	}
-	if _, err := run(ctx, "losetup", append(args, dev, image)...); err != nil {
-		return Device{}, fmt.Errorf("%w (with direct I/O: %v)", err, dioErr)
-	}
-	return describe(dev, readOnly)
+	return attach(ctx, dev, image, readOnly)
 }
 
 func describe(dev string, readOnly bool) (Device, error) {
