@@ -314,7 +314,10 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	}
 	before := rec
 	rec, dropped := holders.DropUnmounted(rec, func(p string) bool { return p == want.TargetPath || s.d.isMounted(p) })
-	defer s.d.releaseDropped(ctx, before, rec)
+	// Devices of dropped holders go now, before a new device is named: a
+	// device recorded but never bound (a crash in between) could otherwise
+	// be named again, bound, and then released as the dropped one's.
+	s.d.releaseDropped(ctx, before, rec)
 	decision := accessmode.CheckPublish(rec.Holders, want)
 	if !decision.Allowed() {
 		s.d.refused(metrics.StagePublish, mode, decision.Reason)

@@ -78,9 +78,17 @@ func attach(ctx context.Context, dev, image string, readOnly bool) (Device, erro
 		}
 		return d, err
 	}
+	if dev != "" {
+		// A named device bound now may be another process's, which took
+		// it since it was free: that cannot be told from a bind of ours
+		// left half done, so it is left alone and reported as taken.
+		if backing, _ := BackingFile(dev); backing != "" {
+			return Device{}, fmt.Errorf("%s was taken while attaching %s: %v", dev, image, dioErr)
+		}
+	}
 	// Some losetup versions bind the device and then fail to switch on
 	// direct I/O, leaving it bound; release it before trying again.
-	if bound := deviceOf(dev, stdout); ValidDevice(bound) {
+	if bound := deviceOf(dev, stdout); dev == "" && ValidDevice(bound) {
 		if _, err := DetachIfBackedBy(ctx, bound, image); err != nil {
 			return Device{}, fmt.Errorf("releasing %s after a failed direct-I/O attach: %w (attach: %v)", bound, err, dioErr)
 		}
