@@ -181,8 +181,10 @@ func run(o *options) error {
 		DriverName: o.driverName, Version: version, Roles: roles,
 		NodeName: o.nodeID, Zone: o.zone, NodeAddress: o.nodeAddress, StateDir: o.stateDir,
 		MaxVolumesPerNode: o.maxVolumes,
-		Controllers:       map[accessmode.Backend]backend.Controller{},
-		Nodes:             map[accessmode.Backend]backend.Node{},
+		// Tests of a reboot name a file of their own to change the boot id.
+		BootIDFile:  os.Getenv("MODEGUARD_BOOT_ID_FILE"),
+		Controllers: map[accessmode.Backend]backend.Controller{},
+		Nodes:       map[accessmode.Backend]backend.Node{},
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
@@ -200,7 +202,7 @@ func run(o *options) error {
 			defer stopNFS()
 			cfg.Controllers[accessmode.BackendNFS] = c
 		case r == driver.RoleNode:
-			cfg.Nodes[accessmode.BackendNFS] = nfs.NewNode(nil)
+			cfg.Nodes[accessmode.BackendNFS] = nfs.NewNode(nil, nil)
 		}
 	}
 	if len(o.pools) > 0 {
@@ -225,7 +227,7 @@ func run(o *options) error {
 	if err != nil {
 		return err
 	}
-	if err := d.Reconcile(); err != nil {
+	if err := d.Reconcile(ctx); err != nil {
 		return fmt.Errorf("reconciling lock files: %w", err)
 	}
 	lis, err := driver.Listen(o.endpoint)

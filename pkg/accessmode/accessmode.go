@@ -158,6 +158,9 @@ const (
 	// ReasonOtherAccessMode: the volume is published on this node with
 	// another access mode.
 	ReasonOtherAccessMode = "OtherAccessMode"
+	// ReasonBeyondNodeMode: a stage or publish asks for more than the mode
+	// the volume was attached to this node (or staged on it) with.
+	ReasonBeyondNodeMode = "BeyondNodeMode"
 
 	// The driver's own refusals at attach, outside this package's rules
 	// but about who may hold a volume all the same.
@@ -174,7 +177,7 @@ const (
 // Reasons lists every refusal reason, the bounded set metrics may carry.
 var Reasons = []string{
 	ReasonInvalidMode, ReasonPublishedWithOtherArguments, ReasonHeldByOtherNode, ReasonWriterLimit,
-	ReasonHeldByOtherWorkload, ReasonOtherAccessMode, ReasonOtherZone, ReasonAttachLimit, ReasonModeNotAllowed,
+	ReasonHeldByOtherWorkload, ReasonOtherAccessMode, ReasonBeyondNodeMode, ReasonOtherZone, ReasonAttachLimit, ReasonModeNotAllowed,
 }
 
 // Decision is the outcome of a rule: OK, or a gRPC code with a message a

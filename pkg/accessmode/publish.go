@@ -83,3 +83,46 @@ func CheckPublish(holders []Holder, req Holder) Decision {
 	}
 	return allow()
 }
+
+// CheckWithinNode decides whether a stage or publish as req stays within the
+// mode the volume holds on this node: the mode ControllerPublishVolume
+// attached it with (checked at stage, as held="attached"), or the mode the
+// stage was made with (checked at publish, as held="staged"). Without it a
+// volume attached as SINGLE_NODE_SINGLE_WRITER could be staged and
+// published as SINGLE_NODE_MULTI_WRITER and reach two workloads.
+func CheckWithinNode(held Mode, heldAs string, req Mode) Decision {
+	if !Valid(req) {
+		return refuse(codes.InvalidArgument, ReasonInvalidMode, "access mode %v is not a defined CSI access mode", req)
+	}
+	if !Valid(held) {
+		return refuse(codes.FailedPrecondition, ReasonBeyondNodeMode,
+			"the mode the volume was %s with on this node is unknown (%v); %s it again", heldAs, held, redo(heldAs))
+	}
+	if Within(req, held) {
+		return allow()
+	}
+	return refuse(codes.FailedPrecondition, ReasonBeyondNodeMode,
+		"volume is %s on this node as %s; %s would allow more than that: use the capability it was %s with, or %s it again as %s",
+		heldAs, Name(held), Name(req), heldAs, redo(heldAs), Name(req))
+}
+
+func redo(heldAs string) string {
+	if heldAs == "attached" {
+		return "unpublish it from this node and publish it"
+	}
+	return "unstage it and stage it"
+}
+
+// CheckNodePublish is the whole rule of NodePublishVolume: the publish stays
+// within the mode the volume was attached to this node with and the mode it
+// was staged with, and the spec's table lets it join the workloads already
+// holding the volume here (CheckPublish).
+func CheckNodePublish(attached, staged Mode, holders []Holder, req Holder) Decision {
+	if d := CheckWithinNode(attached, "attached", req.Mode); !d.Allowed() {
+		return d
+	}
+	if d := CheckWithinNode(staged, "staged", req.Mode); !d.Allowed() {
+		return d
+	}
+	return CheckPublish(holders, req)
+}

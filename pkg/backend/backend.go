@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/mounts"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -129,12 +130,15 @@ type Controller interface {
 
 // StageRequest asks a node backend to make a volume usable on this node.
 type StageRequest struct {
-	VolumeID       volumeid.ID
-	NodeID         string
-	StagingPath    string
-	AccessType     accessmode.AccessType
-	FsType         string
-	MountFlags     []string
+	VolumeID    volumeid.ID
+	NodeID      string
+	StagingPath string
+	AccessType  accessmode.AccessType
+	FsType      string
+	MountFlags  []string
+	// Mode is the capability's access mode; it must be within the mode the
+	// volume is attached to this node with.
+	Mode           accessmode.Mode
 	ReadOnly       bool // effective: the mode, the CO's flag and the attachment combined
 	PublishContext map[string]string
 	VolumeContext  map[string]string
@@ -167,6 +171,13 @@ type Staged struct {
 	AccessType  accessmode.AccessType `json:"accessType"`
 	FsType      string                `json:"fsType,omitempty"`
 	ReadOnly    bool                  `json:"readOnly"`
+	// Mode is the access mode the volume was staged with; every publish
+	// on this node must be within it (accessmode.Within).
+	Mode accessmode.Mode `json:"mode,omitempty"`
+	// Source is what is mounted at the staging path, as the mount table
+	// names it (NFS: server:/export), so that a check can tell this
+	// volume's mount from another's.
+	Source string `json:"source,omitempty"`
 	// Device is the block device for access type block (and the device
 	// behind the staging mount for block-backed filesystems).
 	Device string `json:"device,omitempty"`
@@ -174,6 +185,29 @@ type Staged struct {
 	// arguments is ALREADY_EXISTS.
 	Fingerprint string    `json:"fingerprint"`
 	Since       time.Time `json:"since"`
+}
+
+// StageState is what the kernel still holds of a recorded stage.
+type StageState int
+
+const (
+	// StageIntact: everything the record names is there and is this
+	// volume's.
+	StageIntact StageState = iota
+	// StageGone: nothing of the stage is in use any more (the node
+	// rebooted, or someone unmounted and detached it): undoing what may be
+	// left of it (Unstage) and staging again is safe.
+	StageGone
+	// StageBroken: part of the stage is there, or something else is where
+	// it should be: neither trusting nor redoing it is safe.
+	StageBroken
+)
+
+// StageCheck is the outcome of Node.Check: the state and, unless intact,
+// what the kernel showed, for messages.
+type StageCheck struct {
+	State  StageState
+	Detail string
 }
 
 // Node is the node-side half of a backend.
@@ -191,4 +225,14 @@ type Node interface {
 	Expand(ctx context.Context, staged *Staged) (int64, error)
 	// Health checks that what Stage set up is still in place and working.
 	Health(ctx context.Context, staged *Staged) Health
+	// Check compares a stage record with the kernel: the mount at the
+	// staging path is this volume's (block: its filesystem on a loop
+	// device bound to the volume's image, same inode; NFS: this export),
+	// and a recorded device is bound to the image. An error means the
+	// kernel could not be asked; the caller must then refuse, not guess.
+	Check(ctx context.Context, staged *Staged) (StageCheck, error)
+	// Owns reports whether m, a line of the mount table, is a mount of
+	// volume id as this backend makes them: its filesystem, a bind mount
+	// of it, or a bind mount of its device node.
+	Owns(ctx context.Context, id volumeid.ID, m *mounts.Mount) (bool, error)
 }

@@ -12,14 +12,15 @@ import (
 	"fmt"
 	"slices"
 
+	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
-	"k8s.io/mount-utils"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
-	"github.com/modeguard/modeguard/pkg/holders"
 	"github.com/modeguard/modeguard/pkg/metrics"
+	"github.com/modeguard/modeguard/pkg/mounts"
 	"github.com/modeguard/modeguard/pkg/nodeid"
+	"github.com/modeguard/modeguard/pkg/nodestate"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -53,7 +54,12 @@ type Config struct {
 	StateDir          string
 	MaxVolumesPerNode int64
 	Nodes             map[accessmode.Backend]backend.Node
-	Mounter           mount.Interface
+	// MountTable is where the node reads what is mounted; the zero value
+	// reads the kernel's.
+	MountTable mounts.Table
+	// BootIDFile is where the kernel's boot id is read
+	// (nodestate.BootIDFile when empty).
+	BootIDFile string
 
 	// Controller role.
 	Controllers map[accessmode.Backend]backend.Controller
@@ -65,11 +71,10 @@ type Config struct {
 
 // Driver implements the three CSI services.
 type Driver struct {
-	cfg     Config
-	locks   *opLocks
-	nodeID  string
-	holders *holders.Store
-	mounter mount.Interface
+	cfg    Config
+	locks  *opLocks
+	nodeID string
+	state  *nodestate.Store
 }
 
 // New checks the configuration and prepares a driver.
@@ -80,10 +85,7 @@ func New(cfg Config) (*Driver, error) {
 	if len(cfg.Roles) == 0 {
 		return nil, fmt.Errorf("no role given: serve controller, node, or both")
 	}
-	d := &Driver{cfg: cfg, locks: newOpLocks(), mounter: cfg.Mounter}
-	if d.mounter == nil {
-		d.mounter = mount.New("")
-	}
+	d := &Driver{cfg: cfg, locks: newOpLocks()}
 	if d.HasRole(RoleController) && len(cfg.Controllers) == 0 {
 		return nil, fmt.Errorf("the controller role needs at least one backend (e.g. --block-pool ZONE=DIR)")
 	}
@@ -99,23 +101,40 @@ func New(cfg Config) (*Driver, error) {
 		if len(cfg.Nodes) == 0 {
 			return nil, fmt.Errorf("the node role needs at least one backend (e.g. --block-pool ZONE=DIR)")
 		}
-		store, err := holders.Open(cfg.StateDir)
+		bootIDFile := cfg.BootIDFile
+		if bootIDFile == "" {
+			bootIDFile = nodestate.BootIDFile
+		}
+		boot, err := nodestate.CurrentBootID(bootIDFile)
 		if err != nil {
 			return nil, err
 		}
-		d.holders = store
+		store, err := nodestate.Open(cfg.StateDir, boot)
+		if err != nil {
+			return nil, err
+		}
+		d.state = store
 	}
 	if cfg.Metrics != nil {
 		src := metrics.Sources{}
 		if d.HasRole(RoleController) {
 			src.Controllers = cfg.Controllers
 		}
-		if d.holders != nil {
-			src.NodeID, src.Holders = d.nodeID, d.holders
+		if d.state != nil {
+			src.NodeID, src.Holders = d.nodeID, d.state
 		}
 		cfg.Metrics.SetSources(src)
 	}
 	return d, nil
+}
+
+// refuse counts and logs a stage or publish the access-mode rules refused
+// and returns its error for the CO.
+func (d *Driver) refuse(stage string, id volumeid.ID, mode accessmode.Mode, decision accessmode.Decision, kv ...any) error {
+	d.refused(stage, mode, decision.Reason)
+	klog.InfoS("Refused by the access-mode rules", append([]any{"volumeID", id, "stage", stage, "mode", accessmode.Name(mode),
+		"code", decision.Code, "reason", decision.Message}, kv...)...)
+	return status.Errorf(decision.Code, "volume %s: %s", id, decision.Message)
 }
 
 // refused counts a publish the access-mode rules refused (when metrics are on).
@@ -129,15 +148,58 @@ func (d *Driver) HasRole(r Role) bool { return slices.Contains(d.cfg.Roles, r) }
 // NodeID is the id this node plugin reports (empty without the node role).
 func (d *Driver) NodeID() string { return d.nodeID }
 
-// Reconcile brings the node's lock files in line with what is mounted, so a
-// plugin restarted after its workloads went away does not keep them locked.
-func (d *Driver) Reconcile() error {
-	if d.holders == nil {
+// Reconcile brings the node state in line with the kernel when the node
+// plugin starts: records of an earlier boot are forgotten (their mounts and
+// devices are gone, and the device names may be other volumes' now), and
+// holders whose mounts the mount table shows gone are dropped, so a volume
+// whose workload went away while the plugin was down is not locked
+// forever. A stage the kernel no longer holds is reported and left for the
+// next NodeStageVolume to redo (publishes of it are refused meanwhile).
+// Anything that cannot be checked is kept as it is: holding a volume on a
+// guess is safe, letting it go is not.
+func (d *Driver) Reconcile(ctx context.Context) error {
+	if d.state == nil {
 		return nil
 	}
-	return d.holders.Reconcile(d.isMounted, func(volumeID string, h accessmode.Holder) {
-		d.releaseHolderDevice(context.Background(), volumeID, h)
+	err := d.state.Reconcile(d.isMounted, func(volumeID string, h accessmode.Holder) {
+		d.releaseHolderDevice(ctx, volumeID, h)
 	})
+	if err != nil {
+		return err
+	}
+	records, err := d.state.All()
+	if err != nil {
+		return err
+	}
+	for _, rec := range records {
+		if id, err := volumeid.Parse(rec.VolumeID); err == nil {
+			d.reportStage(ctx, id, rec)
+		}
+	}
+	return nil
+}
+
+// reportStage logs a recorded stage that the kernel no longer holds as
+// recorded.
+func (d *Driver) reportStage(ctx context.Context, id volumeid.ID, rec *nodestate.Record) {
+	if rec.Staged == nil {
+		return
+	}
+	nb, ok := d.cfg.Nodes[id.Backend]
+	if !ok {
+		return
+	}
+	check, err := nb.Check(ctx, rec.Staged)
+	switch {
+	case err != nil:
+		klog.ErrorS(err, "Cannot check a recorded stage against the kernel", "volumeID", id, "stagingPath", rec.Staged.StagingPath)
+	case check.State == backend.StageGone:
+		klog.InfoS("A recorded stage is gone from the kernel; it is staged again at the next NodeStageVolume",
+			"volumeID", id, "stagingPath", rec.Staged.StagingPath, "detail", check.Detail)
+	case check.State == backend.StageBroken:
+		klog.InfoS("A recorded stage does not match the kernel; publishes are refused until it is unstaged",
+			"volumeID", id, "stagingPath", rec.Staged.StagingPath, "detail", check.Detail)
+	}
 }
 
 // releaseHolderDevice detaches the device a holder had of its own (see
@@ -161,7 +223,7 @@ func (d *Driver) releaseHolderDevice(ctx context.Context, volumeID string, h acc
 
 // releaseDropped releases the devices of the holders before had and after
 // no longer has.
-func (d *Driver) releaseDropped(ctx context.Context, before, after *holders.Record) {
+func (d *Driver) releaseDropped(ctx context.Context, before, after *nodestate.Record) {
 	for _, h := range before.Holders {
 		if _, kept := after.Holder(h.TargetPath); !kept && h.Device != "" {
 			d.releaseHolderDevice(ctx, before.VolumeID, h)
@@ -178,8 +240,9 @@ type readOnlyDevices interface {
 	ReleaseDevice(ctx context.Context, id volumeid.ID, device string) error
 }
 
-// isMounted reports whether p is a mount point (bind mounts included).
-func (d *Driver) isMounted(p string) bool {
-	ok, err := d.mounter.IsMountPoint(p)
-	return err == nil && ok
-}
+// mountAt returns what the mount table shows at p, nil for nothing.
+func (d *Driver) mountAt(p string) (*mounts.Mount, error) { return d.cfg.MountTable.At(p) }
+
+// isMounted reports whether p is a mount point (bind mounts included),
+// from the mount table; an error means it could not be told.
+func (d *Driver) isMounted(p string) (bool, error) { return d.cfg.MountTable.IsMounted(p) }

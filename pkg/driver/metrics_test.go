@@ -19,6 +19,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/localcluster"
 	"github.com/modeguard/modeguard/pkg/metrics"
+	"github.com/modeguard/modeguard/pkg/nodestate"
 )
 
 // scrape fetches the metrics over HTTP and parses the text format.
@@ -262,7 +263,7 @@ func TestMetricsOverHTTP(t *testing.T) {
 	if left := localcluster.LoopsUnder(e.root); len(left) > 0 {
 		t.Errorf("loop devices left after the cleanup: %v", left)
 	}
-	for _, dir := range []string{filepath.Join(e.pool, "volumes"), filepath.Join(e.stateDir, "holders")} {
+	for _, dir := range []string{filepath.Join(e.pool, "volumes"), filepath.Join(e.stateDir, nodestate.DirName)} {
 		if left := dirEntries(t, dir); len(left) > 0 {
 			t.Errorf("files left in %s: %v", dir, left)
 		}

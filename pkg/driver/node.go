@@ -24,8 +24,9 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/fsutil"
-	"github.com/modeguard/modeguard/pkg/holders"
 	"github.com/modeguard/modeguard/pkg/metrics"
+	"github.com/modeguard/modeguard/pkg/mounts"
+	"github.com/modeguard/modeguard/pkg/nodestate"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -103,12 +104,12 @@ func (d *Driver) nodeVolume(raw string) (volumeid.ID, backend.Node, error) {
 
 // lockRecord takes the volume's operation lock and reads its lock file; the
 // caller releases the lock when done with the record.
-func (d *Driver) lockRecord(id volumeid.ID) (func(), *holders.Record, error) {
+func (d *Driver) lockRecord(id volumeid.ID) (func(), *nodestate.Record, error) {
 	release, err := d.locks.acquire(id.String())
 	if err != nil {
 		return nil, nil, err
 	}
-	rec, err := d.holders.Load(id)
+	rec, err := d.state.Load(id)
 	if err != nil {
 		release()
 		return nil, nil, status.Error(codes.Internal, err.Error())
@@ -122,17 +123,63 @@ func publishedReadOnly(ctx map[string]string) bool {
 	return ro
 }
 
-func (s *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
+// attachedMode is the mode ControllerPublishVolume attached the volume to
+// this node with, as its publish context tells. Without it the node cannot
+// know what it may allow, so it allows nothing.
+func attachedMode(publishContext map[string]string) (accessmode.Mode, error) {
+	raw, ok := publishContext[PublishContextMode]
+	if !ok {
+		return 0, status.Errorf(codes.FailedPrecondition,
+			"the publish context names no attached access mode (key %q); ControllerPublishVolume of this driver must succeed for this node first", PublishContextMode)
+	}
+	m, err := accessmode.Parse(raw)
+	if err != nil {
+		return 0, status.Errorf(codes.InvalidArgument, "publish context %s: %v", PublishContextMode, err)
+	}
+	return m, nil
+}
+
+// stageArgs is a NodeStageVolume request, checked.
+type stageArgs struct {
+	path         string
+	accessType   accessmode.AccessType
+	fsType       string
+	flags        []string
+	mode         accessmode.Mode
+	attachedMode accessmode.Mode
+	readOnly     bool // effective: the mode and the attachment combined
+	fingerprint  string
+}
+
+func parseStageArgs(req *csi.NodeStageVolumeRequest) (stageArgs, error) {
+	var a stageArgs
 	if req.GetVolumeId() == "" {
-		return nil, status.Error(codes.InvalidArgument, "volume id is required")
+		return a, status.Error(codes.InvalidArgument, "volume id is required")
 	}
-	if err := fsutil.CheckCOPath("staging target path", req.GetStagingTargetPath()); err != nil {
-		return nil, status.Error(codes.InvalidArgument, err.Error())
+	a.path = req.GetStagingTargetPath()
+	if err := fsutil.CheckCOPath("staging target path", a.path); err != nil {
+		return a, status.Error(codes.InvalidArgument, err.Error())
 	}
-	if err := fsutil.CheckNotSymlink("staging target path", req.GetStagingTargetPath()); err != nil {
-		return nil, status.Error(codes.InvalidArgument, err.Error())
+	if err := fsutil.CheckNotSymlink("staging target path", a.path); err != nil {
+		return a, status.Error(codes.InvalidArgument, err.Error())
 	}
-	accessType, fsType, mode, err := parseCapability(req.GetVolumeCapability())
+	var err error
+	if a.accessType, a.fsType, a.mode, err = parseCapability(req.GetVolumeCapability()); err != nil {
+		return a, err
+	}
+	a.flags = mountFlags(req.GetVolumeCapability())
+	a.readOnly = accessmode.EffectiveReadOnly(a.mode, false, publishedReadOnly(req.GetPublishContext()))
+	a.fingerprint = fingerprint(a.path, string(a.accessType), a.fsType, strings.Join(a.flags, ","),
+		strconv.FormatBool(a.readOnly), accessmode.Name(a.mode))
+	return a, nil
+}
+
+// NodeStageVolume attaches and mounts the volume once per node. A stage
+// already recorded answers the call only if the kernel still holds it; one
+// the kernel lost (a reboot, a crash half way through an unstage) is undone
+// and made again.
+func (s *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
+	args, err := parseStageArgs(req)
 	if err != nil {
 		return nil, err
 	}
@@ -140,66 +187,131 @@ func (s *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if err != nil {
 		return nil, err
 	}
+	if args.attachedMode, err = attachedMode(req.GetPublishContext()); err != nil {
+		return nil, err
+	}
 	release, rec, err := s.d.lockRecord(id)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	readOnly := accessmode.EffectiveReadOnly(mode, false, publishedReadOnly(req.GetPublishContext()))
-	flags := mountFlags(req.GetVolumeCapability())
-	fp := fingerprint(req.GetStagingTargetPath(), string(accessType), fsType, strings.Join(flags, ","),
-		strconv.FormatBool(readOnly), accessmode.Name(mode))
-	if st := rec.Staged; st != nil {
-		if st.StagingPath == req.GetStagingTargetPath() && st.Fingerprint == fp {
-			return &csi.NodeStageVolumeResponse{}, nil
-		}
-		return nil, status.Errorf(codes.AlreadyExists,
-			"volume %s is already staged on this node at %s with other arguments; unstage it first", id, st.StagingPath)
+
+	// The rule: a node stages a volume only within the mode it is attached with.
+	if decision := accessmode.CheckWithinNode(args.attachedMode, "attached", args.mode); !decision.Allowed() {
+		return nil, s.d.refuse(metrics.StagePublish, id, args.mode, decision)
 	}
-	// The stage is recorded as begun before anything is attached or
-	// mounted: a crash from here on leaves a record saying so, and the retry
-	// (or an unstage) cleans up what the crash left.
+	if rec.Staged != nil {
+		intact, err := s.settleRecordedStage(ctx, id, nb, rec, args)
+		if intact || err != nil {
+			return &csi.NodeStageVolumeResponse{}, err
+		}
+	}
+	if err := s.stage(ctx, id, nb, rec, args, req); err != nil {
+		return nil, err
+	}
+	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+// settleRecordedStage decides what the recorded stage means for a new
+// NodeStageVolume: intact and made with the same arguments, it answers the
+// call (true); intact with other arguments, or broken, the call is refused;
+// gone from the kernel, what is left of it is undone and rec forgets it, so
+// the caller stages afresh (false, nil).
+func (s *nodeServer) settleRecordedStage(ctx context.Context, id volumeid.ID, nb backend.Node, rec *nodestate.Record, args stageArgs) (bool, error) {
+	st := rec.Staged
+	check, err := nb.Check(ctx, st)
+	if err != nil {
+		return false, withContext(err, "checking the recorded stage of volume %s against the kernel", id)
+	}
+	switch check.State {
+	case backend.StageIntact:
+		if st.StagingPath == args.path && st.Fingerprint == args.fingerprint {
+			return true, nil
+		}
+		return false, status.Errorf(codes.AlreadyExists,
+			"volume %s is already staged on this node at %s with other arguments; unstage it first", id, st.StagingPath)
+	case backend.StageBroken:
+		return false, status.Errorf(codes.FailedPrecondition,
+			"volume %s is recorded as staged at %s, but %s; it is neither used nor staged over as it is: unstage it first", id, st.StagingPath, check.Detail)
+	}
+	pruned, _, err := nodestate.DropUnmounted(rec, s.d.isMounted)
+	if err != nil {
+		return false, status.Error(codes.Internal, err.Error())
+	}
+	if len(pruned.Holders) > 0 {
+		return false, status.Errorf(codes.FailedPrecondition,
+			"volume %s is still published at %s, but its stage at %s is gone (%s); unpublish it first", id, pruned.Holders[0].TargetPath, st.StagingPath, check.Detail)
+	}
+	klog.InfoS("The recorded stage is gone from the kernel; staging the volume again", "volumeID", id,
+		"stagingPath", st.StagingPath, "device", st.Device, "detail", check.Detail)
+	if err := nb.Unstage(ctx, st); err != nil {
+		return false, withContext(err, "undoing what is left of the lost stage of volume %s", id)
+	}
+	s.d.releaseDropped(ctx, rec, pruned)
+	rec.Staged, rec.Holders = nil, nil
+	if err := s.d.state.Save(id, rec); err != nil {
+		return false, status.Errorf(codes.Internal, "forgetting the lost stage of %s: %v", id, err)
+	}
+	return false, nil
+}
+
+// stage makes a new stage and records it. The stage is recorded as begun
+// before anything is attached or mounted: a crash from there on leaves a
+// record saying so, and the retry (or an unstage) cleans up what it left.
+func (s *nodeServer) stage(ctx context.Context, id volumeid.ID, nb backend.Node, rec *nodestate.Record, args stageArgs, req *csi.NodeStageVolumeRequest) error {
 	interrupted := rec.StagePending != ""
-	rec.StagePending = req.GetStagingTargetPath()
-	if err := s.d.holders.Save(id, rec); err != nil {
-		return nil, status.Errorf(codes.Internal, "recording the stage of %s as begun: %v", id, err)
+	rec.StagePending = args.path
+	if err := s.d.state.Save(id, rec); err != nil {
+		return status.Errorf(codes.Internal, "recording the stage of %s as begun: %v", id, err)
 	}
 	staged, err := nb.Stage(ctx, backend.StageRequest{
-		VolumeID: id, NodeID: s.d.nodeID, StagingPath: req.GetStagingTargetPath(),
-		AccessType: accessType, FsType: fsType, MountFlags: flags, ReadOnly: readOnly,
+		VolumeID: id, NodeID: s.d.nodeID, StagingPath: args.path,
+		AccessType: args.accessType, FsType: args.fsType, MountFlags: args.flags, Mode: args.mode, ReadOnly: args.readOnly,
 		PublishContext: req.GetPublishContext(), VolumeContext: req.GetVolumeContext(),
 		Recover: interrupted,
 	})
 	if err != nil {
 		// The backend undid its part of a failed stage.
 		rec.StagePending = ""
-		if serr := s.d.holders.Save(id, rec); serr != nil {
+		if serr := s.d.state.Save(id, rec); serr != nil {
 			klog.ErrorS(serr, "Clearing the record of a failed stage", "volumeID", id)
 		}
-		return nil, err
+		return err
 	}
 	fpStageBackendDone.Hit()
-	staged.Fingerprint = fp
+	staged.Fingerprint = args.fingerprint
+	staged.Mode = args.mode
 	staged.Since = time.Now().UTC()
 	rec.Staged = staged
 	rec.StagePending = ""
-	if err := s.d.holders.Save(id, rec); err != nil {
+	if err := s.d.state.Save(id, rec); err != nil {
 		if uerr := nb.Unstage(ctx, staged); uerr != nil {
 			klog.ErrorS(uerr, "Undoing a stage whose record could not be written", "volumeID", id)
 		}
-		return nil, status.Errorf(codes.Internal, "recording the stage of %s: %v", id, err)
+		return status.Errorf(codes.Internal, "recording the stage of %s: %v", id, err)
 	}
 	fpStageRecorded.Hit()
 	klog.InfoS("Volume staged", "volumeID", id, "stagingPath", staged.StagingPath, "device", staged.Device,
-		"readOnly", staged.ReadOnly)
-	return &csi.NodeStageVolumeResponse{}, nil
+		"readOnly", staged.ReadOnly, "mode", accessmode.Name(args.mode))
+	return nil
+}
+
+// withContext prefixes an error's message, keeping its gRPC code (Internal
+// for an error that carries none).
+func withContext(err error, format string, a ...any) error {
+	st, ok := status.FromError(err)
+	if !ok {
+		return status.Errorf(codes.Internal, "%s: %v", fmt.Sprintf(format, a...), err)
+	}
+	return status.Errorf(st.Code(), "%s: %s", fmt.Sprintf(format, a...), st.Message())
 }
 
 func (s *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
 	if req.GetVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume id is required")
 	}
-	if err := fsutil.CheckCOPath("staging target path", req.GetStagingTargetPath()); err != nil {
+	path := req.GetStagingTargetPath()
+	if err := fsutil.CheckCOPath("staging target path", path); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
 	id, nb, err := s.d.nodeVolume(req.GetVolumeId())
@@ -211,7 +323,8 @@ func (s *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 		return nil, err
 	}
 	defer release()
-	if rec.Staged == nil && rec.StagePending != "" {
+	switch {
+	case rec.Staged == nil && rec.StagePending != "":
 		// A stage was interrupted and never retried: undo what it may have
 		// done. The device is unknown, which tells the backend to look for
 		// one bound to the volume that nothing uses.
@@ -219,20 +332,26 @@ func (s *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 			return nil, err
 		}
 		rec.StagePending = ""
-		if err := s.d.holders.Save(id, rec); err != nil {
+		if err := s.d.state.Save(id, rec); err != nil {
 			return nil, status.Error(codes.Internal, err.Error())
 		}
-		klog.InfoS("Cleaned up after an interrupted stage", "volumeID", id, "stagingPath", req.GetStagingTargetPath())
+		klog.InfoS("Cleaned up after an interrupted stage", "volumeID", id, "stagingPath", path)
 		return &csi.NodeUnstageVolumeResponse{}, nil
-	}
-	if rec.Staged == nil {
+	case rec.Staged == nil:
+		// Nothing recorded; but the kernel may still hold the volume there
+		// (state lost or restored from elsewhere), and success would then
+		// be a lie.
+		if err := s.unstageUnrecorded(ctx, id, nb, path); err != nil {
+			return nil, err
+		}
 		return &csi.NodeUnstageVolumeResponse{}, nil
-	}
-	if rec.Staged.StagingPath != req.GetStagingTargetPath() {
+	case rec.Staged.StagingPath != path:
 		return nil, status.Errorf(codes.NotFound,
-			"volume %s is staged at %s, not at %s", id, rec.Staged.StagingPath, req.GetStagingTargetPath())
+			"volume %s is staged at %s, not at %s", id, rec.Staged.StagingPath, path)
 	}
-	if pruned, _ := holders.DropUnmounted(rec, s.d.isMounted); len(pruned.Holders) > 0 {
+	if pruned, _, err := nodestate.DropUnmounted(rec, s.d.isMounted); err != nil {
+		return nil, status.Error(codes.Internal, err.Error())
+	} else if len(pruned.Holders) > 0 {
 		return nil, status.Errorf(codes.FailedPrecondition,
 			"volume %s is still published at %s; unpublish it first", id, pruned.Holders[0].TargetPath)
 	}
@@ -240,11 +359,32 @@ func (s *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 		return nil, err
 	}
 	fpUnstageBackendDone.Hit()
-	if err := s.d.holders.Save(id, &holders.Record{}); err != nil {
+	if err := s.d.state.Save(id, &nodestate.Record{}); err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
 	}
-	klog.InfoS("Volume unstaged", "volumeID", id, "stagingPath", req.GetStagingTargetPath())
+	klog.InfoS("Volume unstaged", "volumeID", id, "stagingPath", path)
 	return &csi.NodeUnstageVolumeResponse{}, nil
+}
+
+// unstageUnrecorded undoes a stage of the volume at path that the node
+// state does not know of, if the mount table shows one.
+func (s *nodeServer) unstageUnrecorded(ctx context.Context, id volumeid.ID, nb backend.Node, path string) error {
+	m, err := s.d.mountAt(path)
+	if err != nil {
+		return status.Errorf(codes.Internal, "checking what is mounted at %s: %v", path, err)
+	}
+	if m == nil {
+		return nil
+	}
+	ours, err := nb.Owns(ctx, id, m)
+	if err != nil {
+		return withContext(err, "checking what is mounted at %s", path)
+	}
+	if !ours {
+		return nil // not this volume: not ours to remove
+	}
+	klog.InfoS("Unstaging a mount of the volume the node state did not record", "volumeID", id, "stagingPath", path, "source", m.Source)
+	return nb.Unstage(ctx, &backend.Staged{VolumeID: id.String(), StagingPath: path, AccessType: accessmode.Mount})
 }
 
 // Steps a test can kill the node plugin at (package faultpoint).
@@ -265,20 +405,64 @@ func workloadOf(volumeContext map[string]string) accessmode.Workload {
 	}
 }
 
-func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
+// publishArgs is a NodePublishVolume request, checked.
+type publishArgs struct {
+	target, stagingPath string
+	accessType          accessmode.AccessType
+	fsType              string
+	mode                accessmode.Mode
+	attachedMode        accessmode.Mode
+	requestedReadOnly   bool
+	attachedReadOnly    bool
+	fingerprint         string
+	workload            accessmode.Workload
+}
+
+func parsePublishArgs(req *csi.NodePublishVolumeRequest) (publishArgs, error) {
+	var a publishArgs
 	if req.GetVolumeId() == "" {
-		return nil, status.Error(codes.InvalidArgument, "volume id is required")
+		return a, status.Error(codes.InvalidArgument, "volume id is required")
 	}
-	if err := fsutil.CheckCOPath("target path", req.GetTargetPath()); err != nil {
-		return nil, status.Error(codes.InvalidArgument, err.Error())
+	a.target, a.stagingPath = req.GetTargetPath(), req.GetStagingTargetPath()
+	if err := fsutil.CheckCOPath("target path", a.target); err != nil {
+		return a, status.Error(codes.InvalidArgument, err.Error())
 	}
-	if err := fsutil.CheckCOPath("staging target path", req.GetStagingTargetPath()); err != nil {
-		return nil, status.Error(codes.InvalidArgument, err.Error())
+	if err := fsutil.CheckCOPath("staging target path", a.stagingPath); err != nil {
+		return a, status.Error(codes.InvalidArgument, err.Error())
 	}
-	if err := fsutil.CheckNotSymlink("target path", req.GetTargetPath()); err != nil {
-		return nil, status.Error(codes.InvalidArgument, err.Error())
+	if err := fsutil.CheckNotSymlink("target path", a.target); err != nil {
+		return a, status.Error(codes.InvalidArgument, err.Error())
 	}
-	accessType, fsType, mode, err := parseCapability(req.GetVolumeCapability())
+	var err error
+	if a.accessType, a.fsType, a.mode, err = parseCapability(req.GetVolumeCapability()); err != nil {
+		return a, err
+	}
+	a.requestedReadOnly = req.GetReadonly()
+	a.attachedReadOnly = publishedReadOnly(req.GetPublishContext())
+	a.fingerprint = fingerprint(a.stagingPath, string(a.accessType), a.fsType,
+		strings.Join(mountFlags(req.GetVolumeCapability()), ","), accessmode.Name(a.mode),
+		strconv.FormatBool(a.requestedReadOnly), sortedMap(req.GetPublishContext()), sortedMap(req.GetVolumeContext()))
+	a.workload = workloadOf(req.GetVolumeContext())
+	return a, nil
+}
+
+// holder is the lock-file entry this publish asks for.
+func (a publishArgs) holder(staged *backend.Staged) accessmode.Holder {
+	return accessmode.Holder{
+		TargetPath:  a.target,
+		Mode:        a.mode,
+		ReadOnly:    accessmode.EffectiveReadOnly(a.mode, a.requestedReadOnly, a.attachedReadOnly || staged.ReadOnly),
+		Fingerprint: a.fingerprint,
+		Workload:    a.workload,
+		Since:       time.Now().UTC(),
+	}
+}
+
+// NodePublishVolume makes the staged volume visible at one workload's
+// target path, if the access-mode rules let one more workload on this node
+// hold it.
+func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
+	args, err := parsePublishArgs(req)
 	if err != nil {
 		return nil, err
 	}
@@ -286,82 +470,162 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if err != nil {
 		return nil, err
 	}
+	if args.attachedMode, err = attachedMode(req.GetPublishContext()); err != nil {
+		return nil, err
+	}
 	release, rec, err := s.d.lockRecord(id)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	staged := rec.Staged
-	if staged == nil || staged.StagingPath != req.GetStagingTargetPath() {
-		return nil, status.Errorf(codes.FailedPrecondition,
-			"volume %s is not staged at %s on this node; NodeStageVolume must succeed first", id, req.GetStagingTargetPath())
+	staged, err := s.intactStage(ctx, id, nb, rec, args)
+	if err != nil {
+		return nil, err
 	}
-	if accessType != staged.AccessType {
-		return nil, status.Errorf(codes.InvalidArgument,
-			"volume %s is staged with access type %s, not %s", id, staged.AccessType, accessType)
+	if rec, err = s.dropGoneHolders(ctx, id, rec, args.target); err != nil {
+		return nil, err
 	}
-	readOnly := accessmode.EffectiveReadOnly(mode, req.GetReadonly(),
-		publishedReadOnly(req.GetPublishContext()) || staged.ReadOnly)
-	want := accessmode.Holder{
-		TargetPath: req.GetTargetPath(),
-		Mode:       mode,
-		ReadOnly:   readOnly,
-		Fingerprint: fingerprint(req.GetStagingTargetPath(), string(accessType), fsType,
-			strings.Join(mountFlags(req.GetVolumeCapability()), ","), accessmode.Name(mode),
-			strconv.FormatBool(req.GetReadonly()), sortedMap(req.GetPublishContext()), sortedMap(req.GetVolumeContext())),
-		Workload: workloadOf(req.GetVolumeContext()),
-		Since:    time.Now().UTC(),
+	want := args.holder(staged)
+
+	stagedMode := staged.Mode
+	if stagedMode == 0 {
+		stagedMode = args.attachedMode // a stage recorded before stages kept their mode
 	}
-	before := rec
-	rec, dropped := holders.DropUnmounted(rec, func(p string) bool { return p == want.TargetPath || s.d.isMounted(p) })
-	// Devices of dropped holders go now, before a new device is named: a
-	// device recorded but never bound (a crash in between) could otherwise
-	// be named again, bound, and then released as the dropped one's.
-	s.d.releaseDropped(ctx, before, rec)
-	decision := accessmode.CheckPublish(rec.Holders, want)
+	// The rule: within the modes the volume was attached and staged with,
+	// and the spec's table for the workloads already holding it here.
+	decision := accessmode.CheckNodePublish(args.attachedMode, stagedMode, rec.Holders, want)
 	if !decision.Allowed() {
-		s.d.refused(metrics.StagePublish, mode, decision.Reason)
-		if dropped {
-			_ = s.d.holders.Save(id, rec)
+		return nil, s.d.refuse(metrics.StagePublish, id, args.mode, decision, "targetPath", want.TargetPath, "workload", want.Workload.String())
+	}
+	if decision.Idempotent {
+		prev, _ := rec.Holder(want.TargetPath)
+		if done, err := s.publishedAlready(staged, prev); done || err != nil {
+			return &csi.NodePublishVolumeResponse{}, err
 		}
-		klog.InfoS("Publish refused by the access-mode rules", "volumeID", id, "targetPath", want.TargetPath,
-			"workload", want.Workload.String(), "mode", accessmode.Name(mode), "code", decision.Code, "reason", decision.Message)
-		return nil, status.Errorf(decision.Code, "volume %s: %s", id, decision.Message)
 	}
-	if decision.Idempotent && s.d.isMounted(want.TargetPath) {
-		return &csi.NodePublishVolumeResponse{}, nil
+	if err := s.publish(ctx, id, nb, staged, rec, want); err != nil {
+		return nil, err
 	}
+	return &csi.NodePublishVolumeResponse{}, nil
+}
+
+// intactStage returns the stage record at the request's staging path once
+// the kernel confirms it: publishing a stage the kernel lost would bind an
+// empty directory, or a device that now belongs to another volume, into
+// the workload.
+func (s *nodeServer) intactStage(ctx context.Context, id volumeid.ID, nb backend.Node, rec *nodestate.Record, args publishArgs) (*backend.Staged, error) {
+	staged := rec.Staged
+	if staged == nil || staged.StagingPath != args.stagingPath {
+		return nil, status.Errorf(codes.FailedPrecondition,
+			"volume %s is not staged at %s on this node; NodeStageVolume must succeed first", id, args.stagingPath)
+	}
+	if args.accessType != staged.AccessType {
+		return nil, status.Errorf(codes.InvalidArgument,
+			"volume %s is staged with access type %s, not %s", id, staged.AccessType, args.accessType)
+	}
+	check, err := nb.Check(ctx, staged)
+	if err != nil {
+		return nil, withContext(err, "checking the stage of volume %s against the kernel", id)
+	}
+	if check.State != backend.StageIntact {
+		return nil, status.Errorf(codes.FailedPrecondition,
+			"the stage of volume %s at %s is not what the kernel holds (%s); NodeStageVolume must run again", id, staged.StagingPath, check.Detail)
+	}
+	return staged, nil
+}
+
+// dropGoneHolders drops the holders whose mounts the mount table shows
+// gone (target, the path being published, stays: its publish is a retry),
+// releasing their own devices before a new device is named: a device
+// recorded but never bound (a crash in between) could otherwise be named
+// again, bound, and then released as the dropped one's. A mount that
+// cannot be checked keeps its holder, and the call is refused.
+func (s *nodeServer) dropGoneHolders(ctx context.Context, id volumeid.ID, rec *nodestate.Record, target string) (*nodestate.Record, error) {
+	pruned, dropped, err := nodestate.DropUnmounted(rec, func(p string) (bool, error) {
+		if p == target {
+			return true, nil
+		}
+		return s.d.isMounted(p)
+	})
+	if err != nil {
+		return nil, status.Error(codes.Internal, err.Error())
+	}
+	if !dropped {
+		return rec, nil
+	}
+	s.d.releaseDropped(ctx, rec, pruned)
+	if err := s.d.state.Save(id, pruned); err != nil {
+		return nil, status.Errorf(codes.Internal, "dropping the holders of %s whose mounts are gone: %v", id, err)
+	}
+	return pruned, nil
+}
+
+// publishedAlready checks a repeated publish against the mount table: the
+// target must show the staged volume (its staging mount's filesystem, or
+// for raw block the device recorded for it). Nothing mounted there means
+// the mount is made again (false); anything else is refused.
+func (s *nodeServer) publishedAlready(staged *backend.Staged, h accessmode.Holder) (bool, error) {
+	m, err := s.d.mountAt(h.TargetPath)
+	if err != nil {
+		return false, status.Errorf(codes.Internal, "checking what is mounted at %s: %v", h.TargetPath, err)
+	}
+	if m == nil {
+		return false, nil
+	}
+	same := false
+	if staged.AccessType == accessmode.Block {
+		dev := staged.Device
+		if h.Device != "" {
+			dev = h.Device
+		}
+		same = mounts.IsDeviceNodeBind(m, filepath.Base(dev))
+	} else {
+		sm, err := s.d.mountAt(staged.StagingPath)
+		if err != nil {
+			return false, status.Errorf(codes.Internal, "checking what is mounted at %s: %v", staged.StagingPath, err)
+		}
+		same = sm != nil && sm.Major == m.Major && sm.Minor == m.Minor && sm.Root == m.Root
+	}
+	if !same {
+		return false, status.Errorf(codes.FailedPrecondition,
+			"target path %s holds %s (%s), not volume %s; unpublish it first", h.TargetPath, m.Source, m.FSType, staged.VolumeID)
+	}
+	return true, nil
+}
+
+// publish records the holder and makes the mount. The holder is recorded
+// before the mount is made: a crash in between leaves a holder without a
+// mount, which is dropped once the mount table shows it, and never a mount
+// nobody accounts for.
+func (s *nodeServer) publish(ctx context.Context, id volumeid.ID, nb backend.Node, staged *backend.Staged, rec *nodestate.Record, want accessmode.Holder) error {
 	if prev, ok := rec.Holder(want.TargetPath); ok && prev.Device != "" {
 		// A publish interrupted after its device was made: start afresh.
 		s.d.releaseHolderDevice(ctx, id.String(), prev)
 	}
-	if staged.AccessType == accessmode.Block && readOnly && !staged.ReadOnly {
+	if staged.AccessType == accessmode.Block && want.ReadOnly && !staged.ReadOnly {
 		// The kernel ignores the read-only flag of a bind mount of a device
 		// node: a read-only publish of a device staged read/write needs a
 		// device that is itself read-only.
 		if err := s.readOnlyDevice(ctx, id, nb, staged, rec, &want); err != nil {
-			return nil, err
+			return err
 		}
-	} else if !decision.Idempotent || dropped {
-		// The holder is recorded before the mount is made: a crash in
-		// between leaves a holder without a mount, which Reconcile drops,
-		// and never a mount nobody accounts for.
-		if err := s.d.holders.Save(id, rec.WithHolder(want)); err != nil {
-			return nil, status.Errorf(codes.Internal, "recording the holder of %s: %v", id, err)
+	} else {
+		if err := s.d.state.Save(id, rec.WithHolder(want)); err != nil {
+			return status.Errorf(codes.Internal, "recording the holder of %s: %v", id, err)
 		}
 		fpPublishHolderRecorded.Hit()
 	}
-	if err := s.bindMount(staged, want.TargetPath, readOnly, want.Device); err != nil {
+	if err := s.bindMount(staged, want.TargetPath, want.ReadOnly, want.Device); err != nil {
 		s.d.releaseHolderDevice(ctx, id.String(), want)
-		if serr := s.d.holders.Save(id, rec.WithoutHolder(want.TargetPath)); serr != nil {
+		if serr := s.d.state.Save(id, rec.WithoutHolder(want.TargetPath)); serr != nil {
 			klog.ErrorS(serr, "Removing the holder of a failed publish", "volumeID", id)
 		}
-		return nil, err
+		return err
 	}
 	fpPublishMounted.Hit()
 	klog.InfoS("Volume published", "volumeID", id, "targetPath", want.TargetPath, "workload", want.Workload.String(),
-		"mode", accessmode.Name(mode), "readOnly", readOnly)
-	return &csi.NodePublishVolumeResponse{}, nil
+		"mode", accessmode.Name(want.Mode), "readOnly", want.ReadOnly)
+	return nil
 }
 
 // readOnlyDevice gives want a read-only device of its own. The device is
@@ -370,7 +634,7 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 // the holder releases (a device never bound, or bound to another image
 // since, is left alone). Another process may take the named device before
 // it is bound; then the next free one is tried.
-func (s *nodeServer) readOnlyDevice(ctx context.Context, id volumeid.ID, nb backend.Node, staged *backend.Staged, rec *holders.Record, want *accessmode.Holder) error {
+func (s *nodeServer) readOnlyDevice(ctx context.Context, id volumeid.ID, nb backend.Node, staged *backend.Staged, rec *nodestate.Record, want *accessmode.Holder) error {
 	rd, ok := nb.(readOnlyDevices)
 	if !ok {
 		return status.Errorf(codes.FailedPrecondition,
@@ -383,7 +647,7 @@ func (s *nodeServer) readOnlyDevice(ctx context.Context, id volumeid.ID, nb back
 			return err
 		}
 		want.Device = dev
-		if err := s.d.holders.Save(id, rec.WithHolder(*want)); err != nil {
+		if err := s.d.state.Save(id, rec.WithHolder(*want)); err != nil {
 			return status.Errorf(codes.Internal, "recording the holder of %s: %v", id, err)
 		}
 		fpPublishHolderRecorded.Hit()
@@ -392,7 +656,7 @@ func (s *nodeServer) readOnlyDevice(ctx context.Context, id volumeid.ID, nb back
 		}
 	}
 	want.Device = ""
-	if err := s.d.holders.Save(id, rec.WithoutHolder(want.TargetPath)); err != nil {
+	if err := s.d.state.Save(id, rec.WithoutHolder(want.TargetPath)); err != nil {
 		klog.ErrorS(err, "Removing the holder of a failed publish", "volumeID", id)
 	}
 	return lastErr
@@ -440,7 +704,17 @@ func (s *nodeServer) bindMount(staged *backend.Staged, target string, readOnly b
 // umount(2) directly (see bindMount); UMOUNT_NOFOLLOW so that a symlink put
 // at p cannot redirect the unmount.
 func (d *Driver) unmountAll(p string) error {
-	for i := 0; i < 16 && d.isMounted(p); i++ {
+	for i := 0; ; i++ {
+		mounted, err := d.isMounted(p)
+		if err != nil {
+			return err
+		}
+		if !mounted {
+			break
+		}
+		if i == 16 {
+			return fmt.Errorf("%s is still mounted after 16 unmounts", p)
+		}
 		if err := unix.Unmount(p, unix.UMOUNT_NOFOLLOW); err != nil {
 			return fmt.Errorf("umount %s: %w", p, err)
 		}
@@ -455,10 +729,11 @@ func (s *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 	if req.GetVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume id is required")
 	}
-	if err := fsutil.CheckCOPath("target path", req.GetTargetPath()); err != nil {
+	target := req.GetTargetPath()
+	if err := fsutil.CheckCOPath("target path", target); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
-	id, _, err := s.d.nodeVolume(req.GetVolumeId())
+	id, nb, err := s.d.nodeVolume(req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}
@@ -467,34 +742,50 @@ func (s *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 		return nil, err
 	}
 	defer release()
-	h, held := rec.Holder(req.GetTargetPath())
+	h, held := rec.Holder(target)
 	if !held {
-		// Nothing of ours is there; a mount we did not make is not ours to remove.
-		return &csi.NodeUnpublishVolumeResponse{}, nil
+		// Nothing recorded there; but if the kernel shows this volume
+		// mounted there, success would be a lie. A mount of something
+		// else is not ours to remove.
+		m, err := s.d.mountAt(target)
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "checking what is mounted at %s: %v", target, err)
+		}
+		if m == nil {
+			return &csi.NodeUnpublishVolumeResponse{}, nil
+		}
+		if ours, err := nb.Owns(ctx, id, m); err != nil {
+			return nil, withContext(err, "checking what is mounted at %s", target)
+		} else if !ours {
+			return &csi.NodeUnpublishVolumeResponse{}, nil
+		}
+		klog.InfoS("Unmounting a mount of the volume the node state had no holder for", "volumeID", id, "targetPath", target)
 	}
 	// A device of the holder's own goes first: a bind mount of a device
 	// node does not keep the device, and a crash after this leaves a
 	// holder whose device is gone, which a retry handles.
 	s.d.releaseHolderDevice(ctx, id.String(), h)
-	if err := s.d.unmountAll(req.GetTargetPath()); err != nil {
-		return nil, status.Errorf(codes.Internal, "unmounting %s: %v", req.GetTargetPath(), err)
+	if err := s.d.unmountAll(target); err != nil {
+		return nil, status.Errorf(codes.Internal, "unmounting %s: %v", target, err)
 	}
 	fpUnpublishUnmounted.Hit()
-	if err := s.d.holders.Save(id, rec.WithoutHolder(req.GetTargetPath())); err != nil {
-		return nil, status.Error(codes.Internal, err.Error())
+	if held {
+		if err := s.d.state.Save(id, rec.WithoutHolder(target)); err != nil {
+			return nil, status.Error(codes.Internal, err.Error())
+		}
 	}
-	klog.InfoS("Volume unpublished", "volumeID", id, "targetPath", req.GetTargetPath())
+	klog.InfoS("Volume unpublished", "volumeID", id, "targetPath", target)
 	return &csi.NodeUnpublishVolumeResponse{}, nil
 }
 
 // stagedAt finds the volume's stage record and checks that path is its
 // staging path or one of its target paths.
-func (s *nodeServer) stagedAt(raw, path string) (volumeid.ID, backend.Node, *holders.Record, error) {
+func (s *nodeServer) stagedAt(raw, path string) (volumeid.ID, backend.Node, *nodestate.Record, error) {
 	id, nb, err := s.d.nodeVolume(raw)
 	if err != nil {
 		return id, nil, nil, err
 	}
-	rec, err := s.d.holders.Load(id)
+	rec, err := s.d.state.Load(id)
 	if err != nil {
 		return id, nil, nil, status.Error(codes.Internal, err.Error())
 	}
@@ -560,7 +851,7 @@ func (s *nodeServer) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVo
 	if err != nil {
 		return nil, err
 	}
-	rec, err := s.d.holders.Load(id)
+	rec, err := s.d.state.Load(id)
 	if err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
 	}
@@ -569,9 +860,14 @@ func (s *nodeServer) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVo
 	}
 	h := nb.Health(ctx, rec.Staged)
 	if p := req.GetVolumePublishPath(); !h.Abnormal && p != "" {
-		if _, held := rec.Holder(p); held && !s.d.isMounted(p) {
-			h = backend.Health{Abnormal: true, Reason: "TargetNotMounted",
-				Message: "the volume is no longer mounted at " + p}
+		if _, held := rec.Holder(p); held {
+			switch mounted, err := s.d.isMounted(p); {
+			case err != nil:
+				h = backend.Health{Abnormal: true, Reason: "MountTableUnreadable", Message: err.Error()}
+			case !mounted:
+				h = backend.Health{Abnormal: true, Reason: "TargetNotMounted",
+					Message: "the volume is no longer mounted at " + p}
+			}
 		}
 	}
 	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: volumeHealth(id.String(), h)}, nil

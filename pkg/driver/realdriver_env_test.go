@@ -121,7 +121,7 @@ func (e *env) start(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := d.Reconcile(); err != nil {
+	if err := d.Reconcile(context.Background()); err != nil {
 		t.Fatalf("Reconcile at start: %v", err)
 	}
 	e.starts++

@@ -2,6 +2,7 @@ package driver_test
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"flag"
 	"fmt"
@@ -20,8 +21,8 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
-	"github.com/modeguard/modeguard/pkg/holders"
 	"github.com/modeguard/modeguard/pkg/metrics"
+	"github.com/modeguard/modeguard/pkg/nodestate"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -262,17 +263,17 @@ func TestControllerPublishAttachLimit(t *testing.T) {
 		map[string]string{"stage": "attach", "mode": "SINGLE_NODE_WRITER", "reason": "AttachLimit"}, 2)
 }
 
-func readLockFile(t *testing.T, e *env, volID string) *holders.Record {
+func readLockFile(t *testing.T, e *env, volID string) *nodestate.Record {
 	t.Helper()
 	id, err := volumeid.Parse(volID)
 	if err != nil {
 		t.Fatal(err)
 	}
-	data, err := os.ReadFile(filepath.Join(e.stateDir, "holders", id.FileName()+".json"))
+	data, err := os.ReadFile(filepath.Join(e.stateDir, nodestate.DirName, id.FileName()+".json"))
 	if err != nil {
 		t.Fatalf("reading the lock file of %s: %v", volID, err)
 	}
-	rec := &holders.Record{}
+	rec := &nodestate.Record{}
 	if err := json.Unmarshal(data, rec); err != nil {
 		t.Fatal(err)
 	}
@@ -318,7 +319,7 @@ func TestRestartKeepsSingleWriterLock(t *testing.T) {
 	if _, held := readLockFile(t, e, volID).Holder(t1); !held {
 		t.Fatalf("the lock file lost %s before Reconcile", t1)
 	}
-	if err := e.d.Reconcile(); err != nil {
+	if err := e.d.Reconcile(context.Background()); err != nil {
 		t.Fatalf("Reconcile: %v", err)
 	}
 	rec := readLockFile(t, e, volID)

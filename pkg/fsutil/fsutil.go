@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -137,26 +138,61 @@ func CheckNotSymlink(field, p string) error {
 // ErrNoAnswer is returned by StatfsWithin when statfs did not return in time.
 var ErrNoAnswer = errors.New("statfs did not return in time (an unreachable network filesystem?)")
 
-// StatfsWithin runs statfs but gives up after d: on a hard NFS mount whose
-// server is gone statfs blocks forever, and no RPC of the driver may. The
-// blocked call is left to finish (or not) in the background.
+// A statfsProbe is one statfs call in flight and its result.
+type statfsProbe struct {
+	started time.Time
+	done    chan struct{} // closed once st and err are set
+	st      unix.Statfs_t
+	err     error
+}
+
+var (
+	probesMu sync.Mutex
+	probes   = map[string]*statfsProbe{}
+)
+
+// StatfsWithin runs statfs on path but gives up after d: on a hard NFS
+// mount whose server is gone statfs blocks in the kernel until the server
+// answers, and no RPC of the driver may. A blocked statfs holds its OS
+// thread for as long, so at most one call per path is ever in flight: a
+// caller that finds one running waits for that one (up to d) instead of
+// starting another. However often a dead mount is polled, it costs one
+// blocked thread, and the thread count stays flat.
 func StatfsWithin(path string, d time.Duration) (*unix.Statfs_t, error) {
-	type result struct {
-		st  unix.Statfs_t
-		err error
+	probesMu.Lock()
+	p, running := probes[path]
+	if !running {
+		p = &statfsProbe{started: time.Now(), done: make(chan struct{})}
+		probes[path] = p
+		go p.run(path)
 	}
-	ch := make(chan result, 1)
-	go func() {
-		var r result
-		r.err = unix.Statfs(path, &r.st)
-		ch <- r
-	}()
+	probesMu.Unlock()
 	timer := time.NewTimer(d)
 	defer timer.Stop()
 	select {
-	case r := <-ch:
-		return &r.st, r.err
+	case <-p.done:
+		if p.err != nil {
+			return nil, p.err
+		}
+		st := p.st
+		return &st, nil
 	case <-timer.C:
-		return nil, ErrNoAnswer
+		return nil, fmt.Errorf("%w: statfs of %s has been waiting for %v", ErrNoAnswer, path, time.Since(p.started).Round(time.Second))
 	}
+}
+
+func (p *statfsProbe) run(path string) {
+	p.err = unix.Statfs(path, &p.st)
+	probesMu.Lock()
+	delete(probes, path)
+	probesMu.Unlock()
+	close(p.done)
+}
+
+// StatfsInFlight is the number of statfs calls StatfsWithin has waiting
+// in the kernel, for tests and metrics.
+func StatfsInFlight() int {
+	probesMu.Lock()
+	defer probesMu.Unlock()
+	return len(probes)
 }

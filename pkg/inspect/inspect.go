@@ -21,7 +21,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/fsutil"
-	"github.com/modeguard/modeguard/pkg/holders"
+	"github.com/modeguard/modeguard/pkg/nodestate"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -139,8 +139,8 @@ func Collect(o Options) (*Report, error) {
 		vols[id] = fromRecord(rec, o.NFSExportConfigDir)
 	}
 	for _, dir := range o.StateDirs {
-		readDir(r, filepath.Join(dir, "holders"), func(path string) {
-			rec := &holders.Record{}
+		readDir(r, filepath.Join(dir, nodestate.DirName), func(path string) {
+			rec := &nodestate.Record{}
 			if err := fsutil.ReadJSON(path, rec); err != nil {
 				r.Problems = append(r.Problems, err.Error())
 				return
@@ -214,7 +214,7 @@ func fromRecord(rec *backend.Volume, exportDir string) *Volume {
 	return v
 }
 
-func hold(rec *holders.Record, dir string) NodeHold {
+func hold(rec *nodestate.Record, dir string) NodeHold {
 	h := NodeHold{Node: rec.NodeID, StateDir: dir}
 	if h.Node == "" {
 		h.Node = "(node of " + dir + ")"

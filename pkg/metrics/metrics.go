@@ -31,7 +31,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
-	"github.com/modeguard/modeguard/pkg/holders"
+	"github.com/modeguard/modeguard/pkg/nodestate"
 )
 
 const namespace = "modeguard"
@@ -138,9 +138,9 @@ type Sources struct {
 	Holders     HolderLister
 }
 
-// HolderLister reads a node's lock files (holders.Store).
+// HolderLister reads a node's lock files (nodestate.Store).
 type HolderLister interface {
-	All() ([]*holders.Record, error)
+	All() ([]*nodestate.Record, error)
 }
 
 // SetSources tells the metrics where to read volumes, pools and holders

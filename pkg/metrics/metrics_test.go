@@ -17,7 +17,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
-	"github.com/modeguard/modeguard/pkg/holders"
+	"github.com/modeguard/modeguard/pkg/nodestate"
 )
 
 // fakeController answers ListVolumes and Pools; nothing else is called.
@@ -35,9 +35,9 @@ func (f *fakeController) ListVolumes(context.Context) ([]*backend.Volume, error)
 }
 func (f *fakeController) Pools(context.Context) ([]backend.PoolStats, error) { return f.pools, nil }
 
-type fakeHolders []*holders.Record
+type fakeHolders []*nodestate.Record
 
-func (f fakeHolders) All() ([]*holders.Record, error) { return f, nil }
+func (f fakeHolders) All() ([]*nodestate.Record, error) { return f, nil }
 
 func attached(modes ...accessmode.Mode) *backend.Volume {
 	return &backend.Volume{Modes: modes, Attachments: []accessmode.Attachment{{NodeID: "n@z"}}}

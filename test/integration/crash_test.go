@@ -28,6 +28,7 @@ import (
 	_ "github.com/modeguard/modeguard/pkg/driver" // declares its fault points
 	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/localcluster"
+	"github.com/modeguard/modeguard/pkg/nodestate"
 	"github.com/modeguard/modeguard/test/testenv"
 )
 
@@ -440,7 +441,7 @@ func TestInterruptedStageUndoneByUnstage(t *testing.T) {
 	if loops := settledLoops(work, 0); len(loops) > 0 {
 		t.Fatalf("loop devices left after the unstage: %v", loops)
 	}
-	if entries, _ := os.ReadDir(filepath.Join(state, "holders")); len(entries) > 0 {
+	if entries, _ := os.ReadDir(filepath.Join(state, nodestate.DirName)); len(entries) > 0 {
 		t.Fatalf("lock records left after the unstage: %d", len(entries))
 	}
 	if _, err := cc.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: info.GetNodeId()}); err != nil {

@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
@@ -23,6 +24,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
 	"github.com/modeguard/modeguard/pkg/driver"
+	"github.com/modeguard/modeguard/pkg/mounts"
 	"github.com/modeguard/modeguard/test/testenv"
 )
 
@@ -95,8 +97,7 @@ func RunNFSWithFakeKernelMount(t *testing.T) {
 	run(t, root, driver.Config{
 		NodeAddress: "127.0.0.1",
 		Controllers: map[accessmode.Backend]backend.Controller{accessmode.BackendNFS: ctrl},
-		Nodes: map[accessmode.Backend]backend.Node{accessmode.BackendNFS: nfs.NewNode(
-			&bindInsteadOfNFS{Interface: mount.New(""), exportRoot: filepath.Join(disk, "nfs")})},
+		Nodes:       map[accessmode.Backend]backend.Node{accessmode.BackendNFS: newBindInsteadOfNFS(filepath.Join(disk, "nfs"))},
 	}, cfg)
 }
 
@@ -104,10 +105,20 @@ func RunNFSWithFakeKernelMount(t *testing.T) {
 // machine lacks: an "nfs4" mount of SERVER:/<pseudo> becomes a bind mount of
 // the directory the server exports under that pseudo path, so the node
 // specs act on the volume's real data with its real size limit. Every other
-// mount goes to the real mounter.
+// mount goes to the real mounter. Its mount table shows those bind mounts
+// (and bind mounts of them) as the NFS mounts they stand for, so the node's
+// checks of what is mounted see what a kernel NFS client would show.
 type bindInsteadOfNFS struct {
 	mount.Interface
 	exportRoot string
+
+	mu      sync.Mutex
+	sources map[string]string // staging path -> the NFS source it stands for
+}
+
+func newBindInsteadOfNFS(exportRoot string) backend.Node {
+	b := &bindInsteadOfNFS{Interface: mount.New(""), exportRoot: exportRoot, sources: map[string]string{}}
+	return nfs.NewNode(b, b)
 }
 
 func (b *bindInsteadOfNFS) Mount(source, target, fstype string, options []string) error {
@@ -122,7 +133,36 @@ func (b *bindInsteadOfNFS) Mount(source, target, fstype string, options []string
 	if slices.Contains(options, "ro") {
 		opts = append(opts, "ro")
 	}
-	return b.Interface.Mount(filepath.Join(b.exportRoot, "volumes", pseudo), target, "", opts)
+	if err := b.Interface.Mount(filepath.Join(b.exportRoot, "volumes", pseudo), target, "", opts); err != nil {
+		return err
+	}
+	b.mu.Lock()
+	b.sources[target] = source
+	b.mu.Unlock()
+	return nil
+}
+
+// At reads the kernel's mount table and names a bind mount standing for an
+// NFS mount (or a bind mount of one) as that NFS mount.
+func (b *bindInsteadOfNFS) At(path string) (*mounts.Mount, error) {
+	m, err := mounts.Table{}.At(path)
+	if m == nil || err != nil {
+		return m, err
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for staging, source := range b.sources {
+		sm, err := mounts.Table{}.At(staging)
+		if err != nil {
+			return nil, err
+		}
+		if sm != nil && sm.Major == m.Major && sm.Minor == m.Minor && sm.Root == m.Root {
+			nfsView := *m
+			nfsView.FSType, nfsView.Source = "nfs4", source
+			return &nfsView, nil
+		}
+	}
+	return m, nil
 }
 
 func freePort(t *testing.T) int {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -14,6 +15,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
 	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/fsutil"
+	"github.com/modeguard/modeguard/pkg/mounts"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -32,6 +34,7 @@ type Node struct {
 	zones   []string
 	mounter *mount.SafeFormatAndMount
 	resizer *mount.ResizeFs
+	table   mounts.Table
 }
 
 // NewNode opens the same pools as the controller, read-only.
@@ -110,6 +113,11 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 		// read-only attachment read-only even if a caller gets it wrong.
 		return nil, status.Errorf(codes.FailedPrecondition,
 			"volume %s is attached to node %s read-only (%s); a read/write stage is refused", vol.ID, req.NodeID, accessmode.Name(att.Mode))
+	}
+	if req.Mode != 0 && !accessmode.Within(req.Mode, att.Mode) {
+		return nil, status.Errorf(codes.FailedPrecondition,
+			"volume %s is attached to node %s as %s; a stage as %s would allow more than that", vol.ID, req.NodeID,
+			accessmode.Name(att.Mode), accessmode.Name(req.Mode))
 	}
 	if req.AccessType != vol.AccessType {
 		return nil, status.Errorf(codes.FailedPrecondition,
@@ -198,20 +206,28 @@ func detachUnused(ctx context.Context, volumeID, image string) error {
 
 // alreadyStaged recognises a staging path that already holds this
 // volume's filesystem (a stage retried after the node plugin restarted)
-// and reports it instead of attaching the image a second time.
+// and reports it instead of attaching the image a second time. What is
+// mounted there is this volume's only if its device is a loop device bound
+// to this very image.
 func (n *Node) alreadyStaged(req backend.StageRequest, image, fsType string) (*backend.Staged, error) {
-	notMnt, err := n.mounter.IsLikelyNotMountPoint(req.StagingPath)
-	if err != nil || notMnt {
-		return nil, nil // absent or a plain directory: stage normally
-	}
-	dev, _, err := mount.GetDeviceNameFromMount(n.mounter, req.StagingPath)
+	m, err := n.table.At(req.StagingPath)
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "inspecting staging path %s: %v", req.StagingPath, err)
 	}
-	if !loop.ValidDevice(dev) {
-		return nil, status.Errorf(codes.AlreadyExists, "staging path %s already has %s mounted on it, not volume %s", req.StagingPath, dev, req.VolumeID)
+	if m == nil {
+		return nil, nil // nothing mounted: stage normally
 	}
-	if ours, _ := loop.IsBackedBy(dev, image); !ours {
+	name, err := mounts.BlockDeviceName(m.Major, m.Minor)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "inspecting staging path %s: %v", req.StagingPath, err)
+	}
+	dev := "/dev/" + name
+	if name == "" || !loop.ValidDevice(dev) {
+		return nil, status.Errorf(codes.AlreadyExists, "staging path %s already has %s (%s) mounted on it, not volume %s", req.StagingPath, m.Source, m.FSType, req.VolumeID)
+	}
+	if ours, err := loop.BoundTo(dev, image); err != nil {
+		return nil, status.Errorf(codes.Internal, "inspecting %s: %v", dev, err)
+	} else if !ours {
 		return nil, status.Errorf(codes.AlreadyExists, "staging path %s already has another volume mounted on it (%s), not volume %s", req.StagingPath, dev, req.VolumeID)
 	}
 	if ro, err := loop.ReadOnly(dev); err != nil || ro != req.ReadOnly {
@@ -333,16 +349,26 @@ func (n *Node) Unstage(ctx context.Context, staged *backend.Staged) error {
 	}
 	dev := staged.Device
 	if staged.AccessType == accessmode.Mount && staged.StagingPath != "" {
-		notMnt, err := n.mounter.IsLikelyNotMountPoint(staged.StagingPath)
-		if err != nil && !errors.Is(err, os.ErrNotExist) {
+		m, err := n.table.At(staged.StagingPath)
+		if err != nil {
 			return status.Errorf(codes.Internal, "inspecting staging path %s: %v", staged.StagingPath, err)
 		}
-		if err == nil && !notMnt {
-			if dev == "" {
-				dev, _, _ = mount.GetDeviceNameFromMount(n.mounter, staged.StagingPath)
-			}
-			if err := n.mounter.Unmount(staged.StagingPath); err != nil {
-				return status.Errorf(codes.Internal, "unmounting %s: %v", staged.StagingPath, err)
+		if m != nil {
+			if ours, err := n.Owns(ctx, id, m); err != nil {
+				return err
+			} else if !ours {
+				// Not this volume's: it is not ours to unmount, and the
+				// volume's own mount is not there to undo.
+				klog.InfoS("Leaving a mount that is not the volume's at its staging path", "volumeID", staged.VolumeID,
+					"stagingPath", staged.StagingPath, "source", m.Source, "fsType", m.FSType)
+			} else {
+				if dev == "" {
+					name, _ := mounts.BlockDeviceName(m.Major, m.Minor)
+					dev = "/dev/" + name
+				}
+				if err := n.mounter.Unmount(staged.StagingPath); err != nil {
+					return status.Errorf(codes.Internal, "unmounting %s: %v", staged.StagingPath, err)
+				}
 			}
 		}
 	}
@@ -437,6 +463,116 @@ func (n *Node) Health(ctx context.Context, staged *backend.Staged) backend.Healt
 		}
 	}
 	return backend.Health{Message: fmt.Sprintf("attached at %s", staged.Device)}
+}
+
+// Check compares a stage record with the kernel (see backend.Node): the
+// recorded device must be bound to this volume's image (same inode) with
+// the recorded read-only flag, and for access type mount the staging path
+// must hold the filesystem of that device.
+func (n *Node) Check(ctx context.Context, staged *backend.Staged) (backend.StageCheck, error) {
+	id, err := volumeid.ParseKind(staged.VolumeID, volumeid.Volume)
+	if err != nil {
+		return backend.StageCheck{}, status.Errorf(codes.InvalidArgument, "staged volume id: %v", err)
+	}
+	_, image, err := n.locate(id)
+	if err != nil {
+		return backend.StageCheck{}, err
+	}
+	gone := func(format string, a ...any) (backend.StageCheck, error) {
+		return backend.StageCheck{State: backend.StageGone, Detail: fmt.Sprintf(format, a...)}, nil
+	}
+	broken := func(format string, a ...any) (backend.StageCheck, error) {
+		return backend.StageCheck{State: backend.StageBroken, Detail: fmt.Sprintf(format, a...)}, nil
+	}
+	bound := false
+	if staged.Device != "" {
+		if bound, err = loop.BoundTo(staged.Device, image); err != nil {
+			return backend.StageCheck{}, status.Errorf(codes.Internal, "inspecting %s: %v", staged.Device, err)
+		}
+	}
+	if bound {
+		ro, err := loop.ReadOnly(staged.Device)
+		if err != nil {
+			return backend.StageCheck{}, status.Errorf(codes.Internal, "inspecting %s: %v", staged.Device, err)
+		}
+		if ro != staged.ReadOnly {
+			return broken("loop device %s is bound to the volume's image with readonly=%t, but the stage was made with readonly=%t", staged.Device, ro, staged.ReadOnly)
+		}
+	}
+	if staged.AccessType == accessmode.Block {
+		if !bound {
+			return gone("loop device %q is no longer bound to the volume's image", staged.Device)
+		}
+		return backend.StageCheck{State: backend.StageIntact}, nil
+	}
+	m, err := n.table.At(staged.StagingPath)
+	if err != nil {
+		return backend.StageCheck{}, status.Errorf(codes.Internal, "inspecting staging path %s: %v", staged.StagingPath, err)
+	}
+	if m == nil {
+		if !bound {
+			return gone("nothing is mounted at %s and loop device %q is not bound to the volume's image", staged.StagingPath, staged.Device)
+		}
+		users, err := n.deviceUsers(staged.Device)
+		if err != nil {
+			return backend.StageCheck{}, err
+		}
+		if len(users) > 0 {
+			return broken("nothing is mounted at %s, but the volume's loop device %s is still mounted at %s", staged.StagingPath, staged.Device, strings.Join(users, ", "))
+		}
+		return gone("nothing is mounted at %s; loop device %s is bound to the volume's image and unused", staged.StagingPath, staged.Device)
+	}
+	if !bound {
+		return broken("%s holds %s (%s), and the recorded device %q is not bound to the volume's image", staged.StagingPath, m.Source, m.FSType, staged.Device)
+	}
+	major, minor, err := mounts.DeviceNumbers(staged.Device)
+	if err != nil {
+		return backend.StageCheck{}, status.Errorf(codes.Internal, "inspecting %s: %v", staged.Device, err)
+	}
+	if m.Major != major || m.Minor != minor || m.Root != "/" {
+		return broken("%s holds %s (%s, device %d:%d), not the filesystem of the volume's loop device %s", staged.StagingPath, m.Source, m.FSType, m.Major, m.Minor, staged.Device)
+	}
+	return backend.StageCheck{State: backend.StageIntact}, nil
+}
+
+// deviceUsers lists where dev's filesystem or dev's node is mounted.
+func (n *Node) deviceUsers(dev string) ([]string, error) {
+	major, minor, err := mounts.DeviceNumbers(dev)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "inspecting %s: %v", dev, err)
+	}
+	users, err := n.table.UsersOf(major, minor, filepath.Base(dev))
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "%v", err)
+	}
+	return users, nil
+}
+
+// Owns reports whether m is a mount of volume id: a filesystem on, or a
+// bind mount of the node of, a loop device bound to the volume's image.
+func (n *Node) Owns(ctx context.Context, id volumeid.ID, m *mounts.Mount) (bool, error) {
+	_, image, err := n.locate(id)
+	if err != nil {
+		return false, err
+	}
+	dev := ""
+	if name := strings.TrimPrefix(m.Root, "/"); strings.HasPrefix(name, "loop") && mounts.IsDeviceNodeBind(m, name) {
+		dev = "/dev/" + name
+	} else {
+		name, err := mounts.BlockDeviceName(m.Major, m.Minor)
+		if err != nil {
+			return false, status.Errorf(codes.Internal, "inspecting the mount at %s: %v", m.Mountpoint, err)
+		}
+		dev = "/dev/" + name
+	}
+	if !loop.ValidDevice(dev) {
+		return false, nil
+	}
+	ours, err := loop.BoundTo(dev, image)
+	if err != nil {
+		return false, status.Errorf(codes.Internal, "inspecting %s: %v", dev, err)
+	}
+	return ours, nil
 }
 
 // FreeDevice names a free loop device for ReadOnlyDevice, so that the

@@ -20,7 +20,9 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/fsutil"
+	"github.com/modeguard/modeguard/pkg/mounts"
 	"github.com/modeguard/modeguard/pkg/nodeid"
+	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
 // DefaultMountOptions are used unless the volume capability's mount flags
@@ -38,17 +40,40 @@ var sharePattern = regexp.MustCompile(`^/[A-Za-z0-9_.:-]+$`)
 // per node at the staging path; workloads get bind mounts of it.
 type Node struct {
 	mounter mount.Interface
+	table   MountTable
 }
 
 var _ backend.Node = (*Node)(nil)
 
-// NewNode returns the NFS node backend. mounter is the kernel's
-// (mount.New("")) in production; tests that cannot mount NFS inject another.
-func NewNode(mounter mount.Interface) *Node {
+// MountTable is where the node reads what is mounted at a path.
+type MountTable interface {
+	At(path string) (*mounts.Mount, error)
+}
+
+// NewNode returns the NFS node backend. mounter and table are the kernel's
+// (mount.New(""), mounts.Table{}) when nil; tests that cannot mount NFS
+// inject a mounter and a table that agree with each other.
+func NewNode(mounter mount.Interface, table MountTable) *Node {
 	if mounter == nil {
 		mounter = mount.New("")
 	}
-	return &Node{mounter: mounter}
+	if table == nil {
+		table = mounts.Table{}
+	}
+	return &Node{mounter: mounter, table: table}
+}
+
+// isNFS tells an NFS mount from the mount table.
+func isNFS(m *mounts.Mount) bool { return m.FSType == "nfs4" || m.FSType == "nfs" }
+
+// exportSuffix is the end of the source an NFS mount of volume id names, whatever the
+// server: the export's pseudo path is the volume's file name.
+func exportSuffix(id string) (string, error) {
+	vid, err := volumeid.ParseKind(id, volumeid.Volume)
+	if err != nil {
+		return "", status.Errorf(codes.InvalidArgument, "staged volume id: %v", err)
+	}
+	return ":/" + vid.FileName(), nil
 }
 
 func (n *Node) Backend() accessmode.Backend { return accessmode.BackendNFS }
@@ -131,18 +156,22 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 	}
 	staged := &backend.Staged{
 		VolumeID: req.VolumeID.String(), StagingPath: req.StagingPath, AccessType: accessmode.Mount,
-		ReadOnly: req.ReadOnly,
+		ReadOnly: req.ReadOnly, Source: src,
 	}
 	if err := os.MkdirAll(req.StagingPath, 0o750); err != nil {
 		return nil, status.Errorf(codes.Internal, "creating the staging path: %v", err)
 	}
-	if mounted, err := n.mounter.IsMountPoint(req.StagingPath); err == nil && mounted {
+	m, err := n.table.At(req.StagingPath)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "inspecting staging path %s: %v", req.StagingPath, err)
+	}
+	if m != nil {
 		// A retry after a crash between mount and record: the mount is ours
 		// only if it is this export.
-		if dev, _, err := mount.GetDeviceNameFromMount(n.mounter, req.StagingPath); err == nil && dev == src {
+		if isNFS(m) && m.Source == src {
 			return staged, nil
 		}
-		return nil, status.Errorf(codes.AlreadyExists, "staging path %s already holds another mount", req.StagingPath)
+		return nil, status.Errorf(codes.AlreadyExists, "staging path %s already holds another mount (%s, %s)", req.StagingPath, m.Source, m.FSType)
 	}
 	client := ""
 	if n, err := nodeid.Parse(req.NodeID); err == nil {
@@ -160,20 +189,58 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 }
 
 func (n *Node) Unstage(ctx context.Context, staged *backend.Staged) error {
-	mounted, err := n.mounter.IsMountPoint(staged.StagingPath)
-	if errors.Is(err, os.ErrNotExist) {
+	m, err := n.table.At(staged.StagingPath)
+	if err != nil {
+		return status.Errorf(codes.Internal, "inspecting staging path %s: %v", staged.StagingPath, err)
+	}
+	if m == nil {
 		return nil
 	}
+	id, err := volumeid.ParseKind(staged.VolumeID, volumeid.Volume)
 	if err != nil {
-		// A stale NFS mount fails stat with ESTALE: it is still mounted.
-		mounted = true
+		return status.Errorf(codes.InvalidArgument, "staged volume id: %v", err)
 	}
-	if mounted {
-		if err := n.mounter.Unmount(staged.StagingPath); err != nil {
-			return status.Errorf(codes.Internal, "unmounting %s: %v", staged.StagingPath, err)
-		}
+	if ours, err := n.Owns(ctx, id, m); err != nil {
+		return err
+	} else if !ours {
+		return nil // not this volume's mount: not ours to remove
+	}
+	if err := n.mounter.Unmount(staged.StagingPath); err != nil {
+		return status.Errorf(codes.Internal, "unmounting %s: %v", staged.StagingPath, err)
 	}
 	return nil
+}
+
+// Check compares a stage record with the mount table: the staging path
+// must hold an NFS mount of this volume's export.
+func (n *Node) Check(ctx context.Context, staged *backend.Staged) (backend.StageCheck, error) {
+	suffix, err := exportSuffix(staged.VolumeID)
+	if err != nil {
+		return backend.StageCheck{}, err
+	}
+	m, err := n.table.At(staged.StagingPath)
+	if err != nil {
+		return backend.StageCheck{}, status.Errorf(codes.Internal, "inspecting staging path %s: %v", staged.StagingPath, err)
+	}
+	if m == nil {
+		return backend.StageCheck{State: backend.StageGone, Detail: fmt.Sprintf("nothing is mounted at %s", staged.StagingPath)}, nil
+	}
+	want := staged.Source
+	if isNFS(m) && (m.Source == want || want == "" && strings.HasSuffix(m.Source, suffix)) {
+		return backend.StageCheck{State: backend.StageIntact}, nil
+	}
+	return backend.StageCheck{State: backend.StageBroken,
+		Detail: fmt.Sprintf("%s holds %s (%s), not the volume's export %s", staged.StagingPath, m.Source, m.FSType, want)}, nil
+}
+
+// Owns reports whether m is an NFS mount of volume id's export (the
+// staging mount, or a bind mount of it, which the table shows alike).
+func (n *Node) Owns(ctx context.Context, id volumeid.ID, m *mounts.Mount) (bool, error) {
+	suffix, err := exportSuffix(id.String())
+	if err != nil {
+		return false, err
+	}
+	return isNFS(m) && strings.HasSuffix(m.Source, suffix), nil
 }
 
 // Expand has nothing to do and nothing exact to report: the server's new
@@ -188,8 +255,11 @@ func (n *Node) Expand(ctx context.Context, staged *backend.Staged) (int64, error
 }
 
 func (n *Node) Health(ctx context.Context, staged *backend.Staged) backend.Health {
-	mounted, err := n.mounter.IsMountPoint(staged.StagingPath)
-	if err == nil && !mounted {
+	m, err := n.table.At(staged.StagingPath)
+	if err != nil {
+		return backend.Health{Abnormal: true, Reason: "MountTableUnreadable", Message: err.Error()}
+	}
+	if m == nil {
 		return backend.Health{Abnormal: true, Reason: "NotMounted",
 			Message: fmt.Sprintf("the NFS export is no longer mounted at %s", staged.StagingPath)}
 	}

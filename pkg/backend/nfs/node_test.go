@@ -13,6 +13,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/mounts"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -33,6 +34,21 @@ func stageRequest(t *testing.T, volCtx map[string]string, flags []string, readOn
 }
 
 var goodContext = map[string]string{ContextServer: "10.99.0.1", ContextShare: "/nfs__vol-abab", ContextPort: "2049"}
+
+// fakeTable is the mount table of a fake mounter: what it "mounted".
+type fakeTable struct{ fake *mount.FakeMounter }
+
+func (t fakeTable) At(path string) (*mounts.Mount, error) {
+	var found *mounts.Mount
+	for _, mp := range t.fake.MountPoints {
+		if mp.Path == path {
+			found = &mounts.Mount{Mountpoint: mp.Path, Source: mp.Device, FSType: mp.Type, Root: "/"}
+		}
+	}
+	return found, nil
+}
+
+func newFakeNode(fake *mount.FakeMounter) *Node { return NewNode(fake, fakeTable{fake}) }
 
 func TestStageWithFakeKernelMount(t *testing.T) {
 	tests := []struct {
@@ -71,7 +87,7 @@ func TestStageWithFakeKernelMount(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			fake := mount.NewFakeMounter(nil)
-			n := NewNode(fake)
+			n := newFakeNode(fake)
 			staged, err := n.Stage(context.Background(), stageRequest(t, tt.volCtx, tt.flags, tt.readOnly))
 			if tt.code != codes.OK {
 				if status.Code(err) != tt.code {
@@ -111,11 +127,23 @@ func TestStageWithFakeKernelMount(t *testing.T) {
 
 func TestStageRetryAndUnstageWithFakeKernelMount(t *testing.T) {
 	fake := mount.NewFakeMounter(nil)
-	n := NewNode(fake)
+	n := newFakeNode(fake)
 	req := stageRequest(t, goodContext, nil, false)
+	// The controller names the export after the volume.
+	req.VolumeContext = map[string]string{ContextServer: "10.99.0.1", ContextShare: "/" + req.VolumeID.FileName()}
 	staged, err := n.Stage(context.Background(), req)
 	if err != nil {
 		t.Fatal(err)
+	}
+	checkState(t, n, staged, backend.StageIntact)
+	if ours, err := n.Owns(context.Background(), req.VolumeID, &mounts.Mount{FSType: "nfs4", Source: staged.Source}); err != nil || !ours {
+		t.Errorf("Owns(the volume's own mount) = %v, %v", ours, err)
+	}
+	if ours, _ := n.Owns(context.Background(), req.VolumeID, &mounts.Mount{FSType: "nfs4", Source: "10.99.0.1:/nfs__other"}); ours {
+		t.Error("Owns claims another export's mount")
+	}
+	if ours, _ := n.Owns(context.Background(), req.VolumeID, &mounts.Mount{FSType: "xfs", Source: "/dev/sda1"}); ours {
+		t.Error("Owns claims a local filesystem")
 	}
 	if _, err := n.Stage(context.Background(), req); err != nil {
 		t.Fatalf("a retried stage of the same export must succeed: %v", err)
@@ -137,6 +165,19 @@ func TestStageRetryAndUnstageWithFakeKernelMount(t *testing.T) {
 	if len(fake.MountPoints) != 0 {
 		t.Fatalf("unstage left %v", fake.MountPoints)
 	}
+	checkState(t, n, staged, backend.StageGone)
+	// Another export where the stage should be: neither this volume's
+	// stage nor gone.
+	if err := fake.Mount("10.99.0.2:/nfs__other", staged.StagingPath, "nfs4", nil); err != nil {
+		t.Fatal(err)
+	}
+	checkState(t, n, staged, backend.StageBroken)
+	if err := n.Unstage(context.Background(), staged); err != nil || len(fake.MountPoints) != 1 {
+		t.Fatalf("Unstage removed another export's mount (%v) or failed: %v", fake.MountPoints, err)
+	}
+	if err := fake.Unmount(staged.StagingPath); err != nil {
+		t.Fatal(err)
+	}
 	if h := n.Health(context.Background(), staged); !h.Abnormal || h.Reason != "NotMounted" {
 		t.Errorf("after unstage, health = %+v, want NotMounted", h)
 	}
@@ -146,10 +187,18 @@ func TestStageRetryAndUnstageWithFakeKernelMount(t *testing.T) {
 }
 
 func TestStageRefusesRawBlock(t *testing.T) {
-	n := NewNode(mount.NewFakeMounter(nil))
+	n := newFakeNode(mount.NewFakeMounter(nil))
 	req := stageRequest(t, goodContext, nil, false)
 	req.AccessType = accessmode.Block
 	if _, err := n.Stage(context.Background(), req); status.Code(err) != codes.InvalidArgument {
 		t.Fatalf("raw block on NFS: got %v, want InvalidArgument", err)
+	}
+}
+
+func checkState(t *testing.T, n *Node, staged *backend.Staged, want backend.StageState) {
+	t.Helper()
+	c, err := n.Check(context.Background(), staged)
+	if err != nil || c.State != want {
+		t.Errorf("Check = %+v, %v; want state %d", c, err, want)
 	}
 }

@@ -176,6 +176,44 @@ func IsBackedBy(dev, image string) (bool, error) {
 	return backing == want || backing == want+deletedSuffix, nil
 }
 
+// BoundTo reports whether dev is bound to the very file image is now: the
+// same filesystem and inode, asked of the loop driver itself
+// (LOOP_GET_STATUS64). A path comparison cannot tell an image from one
+// deleted and made again under the same name (a volume deleted and created
+// anew), nor survives a bind-mounted pool directory; the inode can. An
+// unbound device, a missing device node or a missing image is not bound.
+func BoundTo(dev, image string) (bool, error) {
+	if !ValidDevice(dev) {
+		return false, fmt.Errorf("%q is not a loop device", dev)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(image, &st); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return false, nil
+		}
+		return false, fmt.Errorf("stat %s: %w", image, err)
+	}
+	f, err := os.OpenFile(dev, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) || errors.Is(err, unix.ENXIO) {
+			return false, nil
+		}
+		return false, err
+	}
+	defer f.Close()
+	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+	if errors.Is(err, unix.ENXIO) {
+		return false, nil // not bound
+	}
+	if err != nil {
+		return false, fmt.Errorf("LOOP_GET_STATUS64 on %s: %w", dev, err)
+	}
+	// The kernel reports the backing file's device in its own encoding,
+	// which unix.Major and unix.Minor decode like a stat's.
+	return info.Inode == st.Ino &&
+		unix.Major(info.Device) == unix.Major(st.Dev) && unix.Minor(info.Device) == unix.Minor(st.Dev), nil
+}
+
 func canonical(path string) (string, error) {
 	abs, err := filepath.Abs(path)
 	if err != nil {

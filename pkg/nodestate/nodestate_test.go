@@ -1,4 +1,4 @@
-package holders
+package nodestate
 
 import (
 	"encoding/json"
@@ -28,12 +28,14 @@ func testID(t *testing.T, name string) volumeid.ID {
 
 func openStore(t *testing.T) *Store {
 	t.Helper()
-	s, err := Open(t.TempDir())
+	s, err := Open(t.TempDir(), testBoot)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return s
 }
+
+const testBoot = "8f1b2c3d-0000-4000-8000-000000000001"
 
 var since = time.Date(2024, 5, 6, 7, 8, 9, 123456789, time.UTC)
 
@@ -73,12 +75,12 @@ func dirNames(t *testing.T, dir string) []string {
 
 func TestOpenCreatesPrivateDirectory(t *testing.T) {
 	state := t.TempDir()
-	s, err := Open(state)
+	s, err := Open(state, testBoot)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.Dir() != filepath.Join(state, "holders") {
-		t.Errorf("Dir() = %s, want %s", s.Dir(), filepath.Join(state, "holders"))
+	if s.Dir() != filepath.Join(state, DirName) {
+		t.Errorf("Dir() = %s, want %s", s.Dir(), filepath.Join(state, DirName))
 	}
 	fi, err := os.Stat(s.Dir())
 	if err != nil {
@@ -92,7 +94,7 @@ func TestOpenCreatesPrivateDirectory(t *testing.T) {
 	if err := s.Save(id, &Record{Staged: staged(id)}); err != nil {
 		t.Fatal(err)
 	}
-	s2, err := Open(state)
+	s2, err := Open(state, testBoot)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -310,8 +312,11 @@ func TestDropUnmounted(t *testing.T) {
 		holder("/t/gone", accessmode.SingleNodeMultiWriter),
 		holder("/t/here", accessmode.SingleNodeMultiWriter),
 	}}
-	mounted := func(p string) bool { return p == "/t/here" }
-	out, dropped := DropUnmounted(rec, mounted)
+	mounted := func(p string) (bool, error) { return p == "/t/here", nil }
+	out, dropped, err := DropUnmounted(rec, mounted)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if !dropped {
 		t.Error("dropped = false, want true")
 	}
@@ -324,7 +329,7 @@ func TestDropUnmounted(t *testing.T) {
 	if len(rec.Holders) != 2 {
 		t.Error("DropUnmounted changed its argument")
 	}
-	out, dropped = DropUnmounted(out, mounted)
+	out, dropped, _ = DropUnmounted(out, mounted)
 	if dropped || len(out.Holders) != 1 {
 		t.Errorf("second drop: dropped=%t holders=%+v, want nothing dropped", dropped, out.Holders)
 	}
@@ -355,9 +360,9 @@ func TestReconcile(t *testing.T) {
 	}
 
 	var asked []string
-	isMounted := func(p string) bool {
+	isMounted := func(p string) (bool, error) {
 		asked = append(asked, p)
-		return strings.HasPrefix(p, "/m/")
+		return strings.HasPrefix(p, "/m/"), nil
 	}
 	if err := s.Reconcile(isMounted, nil); err != nil {
 		t.Fatalf("Reconcile: %v", err)
@@ -409,7 +414,7 @@ func TestReconcileRemovesTempLeftovers(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if err := s.Reconcile(func(string) bool { return true }, nil); err != nil {
+	if err := s.Reconcile(func(string) (bool, error) { return true, nil }, nil); err != nil {
 		t.Fatalf("Reconcile with temp leftovers: %v", err)
 	}
 	names := dirNames(t, s.Dir())
@@ -454,7 +459,7 @@ func TestReconcileIgnoresLockFileClaimingAnotherVolume(t *testing.T) {
 	if err := os.WriteFile(filePath(s, impostor), data, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	_ = s.Reconcile(func(p string) bool { return strings.HasPrefix(p, "/m/") }, nil)
+	_ = s.Reconcile(func(p string) (bool, error) { return strings.HasPrefix(p, "/m/"), nil }, nil)
 
 	after, err := os.ReadFile(filePath(s, victim))
 	if err != nil {
@@ -469,5 +474,168 @@ func TestReconcileIgnoresLockFileClaimingAnotherVolume(t *testing.T) {
 	}
 	if _, err := s.Load(impostor); err == nil {
 		t.Error("the impostor's lock file loads without error")
+	}
+}
+
+func TestRecordsCarryTheBootTheyWereWrittenIn(t *testing.T) {
+	s := openStore(t)
+	id := testID(t, "stamped")
+	if err := s.Save(id, &Record{Staged: staged(id)}); err != nil {
+		t.Fatal(err)
+	}
+	var onDisk Record
+	data, err := os.ReadFile(filePath(s, id))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(data, &onDisk); err != nil {
+		t.Fatal(err)
+	}
+	if onDisk.BootID != testBoot {
+		t.Errorf("record on disk has boot id %q, want %q", onDisk.BootID, testBoot)
+	}
+}
+
+// A reboot: the same state directory opened under another boot id.
+func TestRecordsOfAnEarlierBootAreForgottenNotReleased(t *testing.T) {
+	state := t.TempDir()
+	before, err := Open(state, "boot-before")
+	if err != nil {
+		t.Fatal(err)
+	}
+	held, pending, old := testID(t, "held"), testID(t, "pending"), testID(t, "old")
+	rawHolder := holder("/t/raw", accessmode.SingleNodeWriter)
+	rawHolder.Device = "/dev/loop9"
+	for id, rec := range map[volumeid.ID]*Record{
+		held:    {Staged: staged(held), Holders: []accessmode.Holder{holder("/t/held", accessmode.SingleNodeSingleWriter), rawHolder}},
+		pending: {StagePending: "/staging/pending"},
+		old:     {Staged: staged(old)},
+	} {
+		if err := before.Save(id, rec); err != nil {
+			t.Fatal(err)
+		}
+	}
+	after, err := Open(state, "boot-after")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Load never hands out a claim of the earlier boot, even before Reconcile.
+	rec, err := after.Load(held)
+	if err != nil || !rec.Empty() {
+		t.Fatalf("Load of a record of an earlier boot = %+v, %v; want an empty record", rec, err)
+	}
+	var released []string
+	var asked []string
+	err = after.Reconcile(func(p string) (bool, error) {
+		asked = append(asked, p)
+		return true, nil // even a path mounted now is not the earlier boot's mount
+	}, func(volumeID string, h accessmode.Holder) { released = append(released, h.Device) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(released) != 0 {
+		t.Errorf("devices of an earlier boot were released: %v (their names may belong to other volumes now)", released)
+	}
+	if len(asked) != 0 {
+		t.Errorf("the mounts of an earlier boot were checked (%v): nothing of them can be there", asked)
+	}
+	if names := dirNames(t, after.Dir()); len(names) != 0 {
+		t.Errorf("records of an earlier boot left files: %v", names)
+	}
+}
+
+func TestRecordsWithoutBootIDAreChecked(t *testing.T) {
+	// Written before records carried a boot: trusted as far as the mount
+	// table confirms, no further.
+	s := openStore(t)
+	id := testID(t, "legacy")
+	data, err := json.Marshal(&Record{VolumeID: id.String(), Staged: staged(id),
+		Holders: []accessmode.Holder{holder("/m/legacy", accessmode.SingleNodeWriter), holder("/u/legacy", accessmode.SingleNodeWriter)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filePath(s, id), data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Reconcile(func(p string) (bool, error) { return strings.HasPrefix(p, "/m/"), nil }, nil); err != nil {
+		t.Fatal(err)
+	}
+	rec, err := s.Load(id)
+	if err != nil || rec.Staged == nil || len(rec.Holders) != 1 || rec.Holders[0].TargetPath != "/m/legacy" {
+		t.Errorf("legacy record after Reconcile = %+v, %v; want the stage and the mounted holder", rec, err)
+	}
+	if rec.BootID != testBoot {
+		t.Errorf("the rewritten record has boot id %q, want %q", rec.BootID, testBoot)
+	}
+}
+
+// Only "not mounted" lets a holder go: a mount check that fails keeps every
+// holder, or a second workload would be let in on a guess.
+func TestMountCheckErrorsKeepHolders_FakeMountCheck(t *testing.T) {
+	id := testID(t, "unsure")
+	rec := &Record{VolumeID: id.String(), Holders: []accessmode.Holder{
+		holder("/t/unsure", accessmode.SingleNodeSingleWriter),
+	}}
+	failing := func(string) (bool, error) { return false, unix.EIO }
+	out, dropped, err := DropUnmounted(rec, failing)
+	if err == nil || dropped || len(out.Holders) != 1 {
+		t.Errorf("DropUnmounted with a failing check = %+v, dropped=%t, err=%v; want the holder kept and an error", out.Holders, dropped, err)
+	}
+	s := openStore(t)
+	if err := s.Save(id, rec); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Reconcile(failing, nil); err != nil {
+		t.Fatalf("Reconcile: %v", err)
+	}
+	if got, err := s.Load(id); err != nil || len(got.Holders) != 1 {
+		t.Errorf("after Reconcile with a failing check: %+v, %v; want the holder kept", got, err)
+	}
+}
+
+func TestOpenTakesOverTheLockFilesOfAnEarlierVersion(t *testing.T) {
+	state := t.TempDir()
+	legacy := filepath.Join(state, "holders")
+	if err := os.MkdirAll(legacy, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	id := testID(t, "kept")
+	data, _ := json.Marshal(&Record{VolumeID: id.String(), Holders: []accessmode.Holder{holder("/m/x", accessmode.SingleNodeWriter)}})
+	if err := os.WriteFile(filepath.Join(legacy, id.FileName()+".json"), data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Open(state, testBoot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec, err := s.Load(id)
+	if err != nil || len(rec.Holders) != 1 {
+		t.Errorf("holder of the earlier version's lock file = %+v, %v", rec, err)
+	}
+	if _, err := os.Stat(legacy); !os.IsNotExist(err) {
+		t.Errorf("the earlier version's directory is still there (stat: %v)", err)
+	}
+}
+
+func TestCurrentBootID(t *testing.T) {
+	id, err := CurrentBootID(BootIDFile)
+	if err != nil || len(id) != 36 {
+		t.Errorf("CurrentBootID(%s) = %q, %v; want a UUID", BootIDFile, id, err)
+	}
+	dir := t.TempDir()
+	for _, tc := range []struct {
+		content string
+		ok      bool
+	}{{"abc\n", true}, {"", false}, {"\n", false}, {"a/b\n", false}, {strings.Repeat("x", 65), false}} {
+		f := filepath.Join(dir, "boot")
+		if err := os.WriteFile(f, []byte(tc.content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := CurrentBootID(f); (err == nil) != tc.ok {
+			t.Errorf("CurrentBootID(%q): err %v, want ok=%t", tc.content, err, tc.ok)
+		}
+	}
+	if _, err := Open(t.TempDir(), ""); err == nil {
+		t.Error("Open without a boot id succeeded")
 	}
 }
