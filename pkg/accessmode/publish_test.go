@@ -1,6 +1,7 @@
 package accessmode
 
 import (
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -247,5 +248,57 @@ func TestCheckPublishManyHolders(t *testing.T) {
 		if d := CheckPublish(holders, holder(target2, m, false, "fp-1")); d.Code != AE || !strings.Contains(d.Message, target2) || d.Reason != ReasonPublishedWithOtherArguments {
 			t.Errorf("%v, second target with other arguments: %+v, want ALREADY_EXISTS naming %s", m, d, target2)
 		}
+	}
+}
+
+// TestCheckWithinNode: what a node may allow is bounded by the mode the
+// volume holds there. Read off the three limits of each mode (nodes, writer
+// nodes, workloads per node): a request is within when it allows no more of
+// any of them.
+func TestCheckWithinNode(t *testing.T) {
+	within := map[Mode][]Mode{
+		SingleNodeWriter:       {SingleNodeWriter, SingleNodeReaderOnly, SingleNodeSingleWriter},
+		SingleNodeReaderOnly:   {SingleNodeReaderOnly},
+		MultiNodeReaderOnly:    {SingleNodeReaderOnly, MultiNodeReaderOnly},
+		MultiNodeSingleWriter:  {SingleNodeWriter, SingleNodeReaderOnly, MultiNodeReaderOnly, MultiNodeSingleWriter, SingleNodeSingleWriter, SingleNodeMultiWriter},
+		MultiNodeMultiWriter:   All,
+		SingleNodeSingleWriter: {SingleNodeWriter, SingleNodeReaderOnly, SingleNodeSingleWriter},
+		SingleNodeMultiWriter:  {SingleNodeWriter, SingleNodeReaderOnly, SingleNodeSingleWriter, SingleNodeMultiWriter},
+	}
+	for _, held := range All {
+		for _, req := range All {
+			d := CheckWithinNode(held, "attached", req)
+			want := slices.Contains(within[held], req)
+			if d.Allowed() != want {
+				t.Errorf("held %s, asked %s: allowed=%t, want %t (%s)", Name(held), Name(req), d.Allowed(), want, d.Message)
+			}
+			if !want {
+				if d.Code != codes.FailedPrecondition || d.Reason != ReasonBeyondNodeMode ||
+					!strings.Contains(d.Message, Name(held)) || !strings.Contains(d.Message, Name(req)) {
+					t.Errorf("held %s, asked %s: %+v; want FailedPrecondition naming both modes", Name(held), Name(req), d)
+				}
+			}
+		}
+	}
+	if d := CheckWithinNode(0, "staged", SingleNodeWriter); d.Allowed() || d.Code != codes.FailedPrecondition {
+		t.Errorf("an unknown held mode must refuse: %+v", d)
+	}
+	if d := CheckWithinNode(SingleNodeWriter, "staged", 99); d.Code != codes.InvalidArgument {
+		t.Errorf("an undefined requested mode: %+v, want InvalidArgument", d)
+	}
+	// The whole publish rule: the attached and staged modes first, then
+	// the spec's table.
+	h := Holder{TargetPath: "/t/1", Mode: SingleNodeSingleWriter, Fingerprint: "a"}
+	if d := CheckNodePublish(SingleNodeSingleWriter, SingleNodeSingleWriter, nil, Holder{TargetPath: "/t/1", Mode: SingleNodeMultiWriter}); d.Reason != ReasonBeyondNodeMode {
+		t.Errorf("SINGLE_NODE_MULTI_WRITER publish of an RWOP attachment: %+v", d)
+	}
+	if d := CheckNodePublish(SingleNodeMultiWriter, SingleNodeSingleWriter, nil, Holder{TargetPath: "/t/1", Mode: SingleNodeMultiWriter}); d.Reason != ReasonBeyondNodeMode || !strings.Contains(d.Message, "staged") {
+		t.Errorf("publish beyond the staged mode: %+v", d)
+	}
+	if d := CheckNodePublish(SingleNodeSingleWriter, SingleNodeSingleWriter, []Holder{h}, Holder{TargetPath: "/t/2", Mode: SingleNodeSingleWriter, Fingerprint: "a"}); d.Reason != ReasonHeldByOtherWorkload {
+		t.Errorf("second RWOP workload: %+v", d)
+	}
+	if d := CheckNodePublish(SingleNodeSingleWriter, SingleNodeSingleWriter, []Holder{h}, h); !d.Allowed() || !d.Idempotent {
+		t.Errorf("repeated publish: %+v", d)
 	}
 }

@@ -820,18 +820,25 @@ func (s *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 	if err != nil {
 		return nil, err
 	}
-	if _, err := os.Stat(req.GetVolumePath()); err != nil {
-		return nil, status.Errorf(codes.NotFound, "volume path %s: %v", req.GetVolumePath(), err)
-	}
 	if rec.Staged.AccessType == accessmode.Block {
+		if _, err := os.Stat(req.GetVolumePath()); err != nil {
+			return nil, status.Errorf(codes.NotFound, "volume path %s: %v", req.GetVolumePath(), err)
+		}
 		size, err := deviceSize(rec.Staged.Device)
 		if err != nil {
 			return nil, status.Errorf(codes.Internal, "reading the size of %s: %v", rec.Staged.Device, err)
 		}
 		return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: size}}}, nil
 	}
+	// No stat before it: on a mount whose NFS server is gone a stat blocks
+	// as long as statfs does, and only StatfsWithin keeps that bounded.
 	st, err := fsutil.StatfsWithin(req.GetVolumePath(), statsTimeout)
-	if err != nil {
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return nil, status.Errorf(codes.NotFound, "volume path %s: %v", req.GetVolumePath(), err)
+	case errors.Is(err, fsutil.ErrNoAnswer):
+		return nil, status.Errorf(codes.Unavailable, "volume path %s is unreachable: %v", req.GetVolumePath(), err)
+	case err != nil:
 		return nil, status.Errorf(codes.Internal, "statfs %s: %v", req.GetVolumePath(), err)
 	}
 	bs := int64(st.Bsize)

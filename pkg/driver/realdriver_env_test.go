@@ -33,6 +33,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/driver"
 	"github.com/modeguard/modeguard/pkg/localcluster"
 	"github.com/modeguard/modeguard/pkg/metrics"
+	"github.com/modeguard/modeguard/pkg/mounts"
 	"github.com/modeguard/modeguard/test/testenv"
 )
 
@@ -49,6 +50,9 @@ type env struct {
 	stateDir string
 	maxVols  int64
 	metrics  *metrics.Metrics // nil: metrics off
+	// mountTable is what the driver reads mounts from; the zero value is
+	// the kernel's.
+	mountTable mounts.Table
 
 	d      *driver.Driver
 	srv    *grpc.Server
@@ -117,6 +121,7 @@ func (e *env) start(t *testing.T) {
 		Controllers:       map[accessmode.Backend]backend.Controller{accessmode.BackendBlock: ctrl},
 		Nodes:             map[accessmode.Backend]backend.Node{accessmode.BackendBlock: node},
 		Metrics:           e.metrics,
+		MountTable:        e.mountTable,
 	})
 	if err != nil {
 		t.Fatal(err)

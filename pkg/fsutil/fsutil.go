@@ -141,9 +141,12 @@ var ErrNoAnswer = errors.New("statfs did not return in time (an unreachable netw
 // A statfsProbe is one statfs call in flight and its result.
 type statfsProbe struct {
 	started time.Time
-	done    chan struct{} // closed once st and err are set
-	st      unix.Statfs_t
-	err     error
+	// deadline is when the caller that started the probe gave up; a probe
+	// past it is taken as unanswered by every later caller.
+	deadline time.Time
+	done     chan struct{} // closed once st and err are set
+	st       unix.Statfs_t
+	err      error
 }
 
 var (
@@ -162,12 +165,15 @@ func StatfsWithin(path string, d time.Duration) (*unix.Statfs_t, error) {
 	probesMu.Lock()
 	p, running := probes[path]
 	if !running {
-		p = &statfsProbe{started: time.Now(), done: make(chan struct{})}
+		p = &statfsProbe{started: time.Now(), deadline: time.Now().Add(d), done: make(chan struct{})}
 		probes[path] = p
 		go p.run(path)
 	}
 	probesMu.Unlock()
-	timer := time.NewTimer(d)
+	// A probe already past its deadline answers at once: a poller must not
+	// wait d again for every call while the server stays dead.
+	wait := min(time.Until(p.deadline), d)
+	timer := time.NewTimer(wait)
 	defer timer.Stop()
 	select {
 	case <-p.done:
@@ -181,8 +187,11 @@ func StatfsWithin(path string, d time.Duration) (*unix.Statfs_t, error) {
 	}
 }
 
+// statfs is unix.Statfs; tests that cannot make a filesystem hang replace it.
+var statfs = unix.Statfs
+
 func (p *statfsProbe) run(path string) {
-	p.err = unix.Statfs(path, &p.st)
+	p.err = statfs(path, &p.st)
 	probesMu.Lock()
 	delete(probes, path)
 	probesMu.Unlock()

@@ -3,9 +3,11 @@ package fsutil
 import (
 	"bytes"
 	"errors"
+	"golang.org/x/sys/unix"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -333,5 +335,56 @@ func TestStatfsWithin(t *testing.T) {
 	}
 	if _, err := StatfsWithin(filepath.Join(t.TempDir(), "missing"), 5*time.Second); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("statfs of a missing path: %v, want ENOENT", err)
+	}
+}
+
+// TestStatfsOneProbePerPath_FakeStatfs: a statfs that never returns (what a
+// hard NFS mount of a dead server does) is replaced by one that blocks until
+// released, as no local filesystem can be made to hang. However often the
+// path is polled, one call is in flight; polls after the first deadline
+// answer at once; once the call returns, the next poll probes afresh.
+func TestStatfsOneProbePerPath_FakeStatfs(t *testing.T) {
+	release := make(chan struct{})
+	var calls atomic.Int32
+	statfs = func(path string, st *unix.Statfs_t) error {
+		calls.Add(1)
+		if path == "/dead" {
+			<-release
+			return unix.EIO
+		}
+		st.Blocks, st.Bsize = 1, 1
+		return nil
+	}
+	t.Cleanup(func() { statfs = unix.Statfs })
+
+	if _, err := StatfsWithin("/dead", 50*time.Millisecond); !errors.Is(err, ErrNoAnswer) {
+		t.Fatalf("first poll of a dead mount: %v, want ErrNoAnswer", err)
+	}
+	start := time.Now()
+	for i := 0; i < 10000; i++ {
+		if _, err := StatfsWithin("/dead", time.Minute); !errors.Is(err, ErrNoAnswer) {
+			t.Fatalf("poll %d: %v, want ErrNoAnswer", i, err)
+		}
+	}
+	if d := time.Since(start); d > 30*time.Second {
+		t.Errorf("10,000 polls past the first deadline took %v: they must not wait again", d)
+	}
+	if n := calls.Load(); n != 1 || StatfsInFlight() != 1 {
+		t.Errorf("statfs called %d times, %d in flight; want exactly 1 call for 10,001 polls", n, StatfsInFlight())
+	}
+	// Another path is not held up by the dead one.
+	if _, err := StatfsWithin("/alive", time.Second); err != nil {
+		t.Errorf("statfs of another path while one hangs: %v", err)
+	}
+	close(release)
+	for StatfsInFlight() != 0 {
+		time.Sleep(time.Millisecond)
+	}
+	// The server answers again: the next poll makes a new call and gets its answer.
+	if _, err := StatfsWithin("/dead", time.Second); !errors.Is(err, unix.EIO) {
+		t.Errorf("poll after the hung call returned: %v, want the new call's EIO", err)
+	}
+	if n := calls.Load(); n != 3 {
+		t.Errorf("statfs called %d times, want 3", n)
 	}
 }

@@ -93,17 +93,19 @@ func TestCrashAtEveryStepConverges(t *testing.T) {
 
 // crashProc is one driver process of the scenario.
 type crashProc struct {
-	t      *testing.T
-	name   string
-	bin    string
-	args   []string
-	env    []string // only for the first start: the fault point
-	socket string
-	log    string
-	cmd    *exec.Cmd
-	done   chan struct{}
-	conn   *grpc.ClientConn
-	killed int // how many times it died of SIGKILL
+	t    *testing.T
+	name string
+	bin  string
+	args []string
+	env  []string // only for the first start: the fault point
+	// baseEnv is set at every start (e.g. the boot id file of a reboot test).
+	baseEnv []string
+	socket  string
+	log     string
+	cmd     *exec.Cmd
+	done    chan struct{}
+	conn    *grpc.ClientConn
+	killed  int // how many times it died of SIGKILL
 }
 
 func (p *crashProc) start() {
@@ -113,7 +115,7 @@ func (p *crashProc) start() {
 		p.t.Fatal(err)
 	}
 	p.cmd = exec.Command(p.bin, append([]string{"--endpoint", "unix://" + p.socket}, p.args...)...)
-	p.cmd.Env = append(os.Environ(), p.env...)
+	p.cmd.Env = append(append(os.Environ(), p.baseEnv...), p.env...)
 	p.env = nil // a restart runs without the fault
 	p.cmd.Stdout, p.cmd.Stderr = logf, logf
 	if err := p.cmd.Start(); err != nil {

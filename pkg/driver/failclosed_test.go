@@ -1,0 +1,64 @@
+package driver_test
+
+import (
+	"sync/atomic"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/mounts"
+)
+
+// TestMountCheckErrorFailsClosed_FakeMountTable: the driver's mount checks
+// fail (here: the mount table read fails with EIO, which a healthy kernel
+// does not produce on demand, hence a table that fails when told to; every
+// mount, device and lock file is real). A failing check must never count as
+// "not mounted": the RWOP holder stays, a second pod is refused, and
+// neither a restart nor an unstage lets the volume go on a guess.
+func TestMountCheckErrorFailsClosed_FakeMountTable(t *testing.T) {
+	var failing atomic.Bool
+	table := mounts.Table{Read: func(f mountinfo.FilterFunc) ([]*mounts.Mount, error) {
+		if failing.Load() {
+			return nil, unix.EIO
+		}
+		return mountinfo.GetMounts(f)
+	}}
+	e := newEnv(t, 0, func(e *env) { e.mountTable = table })
+	c := mountCap(accessmode.SingleNodeSingleWriter)
+	volID, staging, pc := e.setup(t, "unsure", c)
+	first, second := e.targetPath("pod-a"), e.targetPath("pod-b")
+	if err := e.publish(t, volID, staging, first, c, pc, false); err != nil {
+		t.Fatal(err)
+	}
+
+	failing.Store(true)
+	err := e.publish(t, volID, staging, second, c, pc, false)
+	if err == nil {
+		t.Fatal("a second RWOP publish succeeded while the first holder's mount could not be checked")
+	}
+	if code := status.Code(err); code != codes.Internal {
+		t.Errorf("second publish while mounts cannot be checked: %v, want Internal", err)
+	}
+	if n := mountsAt(t, second); n != 0 {
+		t.Errorf("the refused publish left %d mounts at %s", n, second)
+	}
+	if _, err := e.node.NodeUnstageVolume(ctx(t), &csi.NodeUnstageVolumeRequest{VolumeId: volID, StagingTargetPath: staging}); err == nil {
+		t.Error("NodeUnstageVolume succeeded while the holder's mount could not be checked")
+	}
+	// A restart while the table cannot be read keeps the holder too.
+	e.restart(t)
+
+	failing.Store(false)
+	err = e.publish(t, volID, staging, second, c, pc, false)
+	if status.Code(err) != codes.FailedPrecondition {
+		t.Errorf("second RWOP publish once the mounts can be checked again: %v, want FailedPrecondition (the first pod still holds it)", err)
+	}
+	if n := mountsAt(t, first); n != 1 {
+		t.Errorf("the first pod's mount: %d mounts, want 1", n)
+	}
+}
