@@ -627,4 +627,3 @@ func checkWithin(t *testing.T, call, attached, asked string, allowed []string, e
 		}
 	}
 }
-
