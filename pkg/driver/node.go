@@ -198,12 +198,15 @@ func (s *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 
 	// The rule: a node stages a volume only within the mode it is attached with.
 	if decision := accessmode.CheckWithinNode(args.attachedMode, "attached", args.mode); !decision.Allowed() {
-		return nil, s.d.refuse(metrics.StagePublish, id, args.mode, decision)
+		return nil, s.d.refuse(metrics.StageStage, id, args.mode, decision)
 	}
 	if rec.Staged != nil {
 		intact, err := s.settleRecordedStage(ctx, id, nb, rec, args)
-		if intact || err != nil {
-			return &csi.NodeStageVolumeResponse{}, err
+		if err != nil {
+			return nil, err
+		}
+		if intact {
+			return &csi.NodeStageVolumeResponse{}, nil
 		}
 	}
 	if err := s.stage(ctx, id, nb, rec, args, req); err != nil {
@@ -499,8 +502,12 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	}
 	if decision.Idempotent {
 		prev, _ := rec.Holder(want.TargetPath)
-		if done, err := s.publishedAlready(staged, prev); done || err != nil {
-			return &csi.NodePublishVolumeResponse{}, err
+		done, err := s.publishedAlready(staged, prev)
+		if err != nil {
+			return nil, err
+		}
+		if done {
+			return &csi.NodePublishVolumeResponse{}, nil
 		}
 	}
 	if err := s.publish(ctx, id, nb, staged, rec, want); err != nil {

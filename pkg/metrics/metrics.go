@@ -39,6 +39,7 @@ const namespace = "modeguard"
 // Stages of a publish, the values of the stage label.
 const (
 	StageAttach  = "attach"  // ControllerPublishVolume: which nodes
+	StageStage   = "stage"   // NodeStageVolume: within the mode attached to the node
 	StagePublish = "publish" // NodePublishVolume: which workloads on a node
 )
 
@@ -60,8 +61,10 @@ var refusalsByStage = map[string][]string{
 		accessmode.ReasonHeldByOtherNode, accessmode.ReasonWriterLimit, accessmode.ReasonPublishedWithOtherArguments,
 		accessmode.ReasonOtherZone, accessmode.ReasonAttachLimit, accessmode.ReasonModeNotAllowed,
 	},
+	StageStage: {accessmode.ReasonBeyondNodeMode},
 	StagePublish: {
 		accessmode.ReasonHeldByOtherWorkload, accessmode.ReasonOtherAccessMode, accessmode.ReasonPublishedWithOtherArguments,
+		accessmode.ReasonBeyondNodeMode,
 	},
 }
 
@@ -161,9 +164,11 @@ func (m *Metrics) SetSources(s Sources) {
 		}
 	}
 	if s.Holders != nil {
-		for _, r := range refusalsByStage[StagePublish] {
-			for _, mode := range accessmode.All {
-				m.refused.WithLabelValues(StagePublish, accessmode.Name(mode), r)
+		for _, stage := range []string{StageStage, StagePublish} {
+			for _, r := range refusalsByStage[stage] {
+				for _, mode := range accessmode.All {
+					m.refused.WithLabelValues(stage, accessmode.Name(mode), r)
+				}
 			}
 		}
 	}

@@ -95,7 +95,7 @@ func TestPublishRefusedSeriesExistBeforeTheFirstRefusal(t *testing.T) {
 	if got := testutil.ToFloat64(attach); got != 0 {
 		t.Fatalf("fresh counter = %v", got)
 	}
-	want := len(accessmode.All) * (len(refusalsByStage[StageAttach]) + len(refusalsByStage[StagePublish]))
+	want := len(accessmode.All) * (len(refusalsByStage[StageAttach]) + len(refusalsByStage[StageStage]) + len(refusalsByStage[StagePublish]))
 	if n := testutil.CollectAndCount(m.refused); n != want {
 		t.Errorf("%d refusal series before any refusal, want %d", n, want)
 	}
