@@ -460,31 +460,6 @@ func TestStartServerReportsGaneshaLog(t *testing.T) {
 	}
 }
 
-func TestStartServerStopsStaleProcesses(t *testing.T) {
-	requireGanesha(t)
-	net := ganeshatest.Setup(t, ganeshatest.Options{Nodes: 0})
-	runDir, exportDir, _ := testDirs(t)
-	first := startServer(t, net, runDir, exportDir)
-	oldG, oldB := first.GaneshaPID(), first.BusPID()
-	// The driver "dies": its supervisor stops, its children keep running.
-	first.stopOnce.Do(func() {
-		close(first.stopCh)
-		<-first.supDone
-		first.control.Close()
-	})
-	// A second Server on the same Dir stops what the first left behind.
-	second := startServer(t, net, runDir, exportDir)
-	if !gone(oldG, runDir) || !gone(oldB, runDir) {
-		t.Fatalf("stale ganesha %d / bus %d still run", oldG, oldB)
-	}
-	if err := second.WaitReady(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	if second.GaneshaPID() == oldG {
-		t.Fatalf("second server reports the old PID")
-	}
-}
-
 func TestSupervisorRestartsBus(t *testing.T) {
 	requireGanesha(t)
 	net := ganeshatest.Setup(t, ganeshatest.Options{Nodes: 1})

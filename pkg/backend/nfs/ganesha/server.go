@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -449,7 +450,17 @@ func (s *Server) WaitGraceEnded(ctx context.Context) error {
 }
 
 // command builds the command for binary args, inside the network namespace
-// when one is configured, in a process group of its own.
+// when one is configured, in a process group of its own, and killed when
+// the thread that starts it exits (see spawner: the thread lives as long as
+// this process). nsenter with --net only enters the namespace and executes
+// binary in place; the parent-death signal survives that execve (neither
+// binary is set-user-ID or has file capabilities), and ganesha changes
+// credentials only on its worker threads, not on the main thread that
+// carries the signal.
+//
+// SIGKILL rather than SIGTERM: everything ganesha must keep (export files,
+// the recovery database) is on disk before it is needed, so nothing is lost,
+// and a daemon whose supervisor is gone must not linger over a shutdown.
 func (s *Server) command(binary string, args ...string) *exec.Cmd {
 	var cmd *exec.Cmd
 	if s.cfg.NetNSPath != "" {
@@ -458,7 +469,7 @@ func (s *Server) command(binary string, args ...string) *exec.Cmd {
 	} else {
 		cmd = exec.Command(binary, args...)
 	}
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	cmd.Dir = s.cfg.Dir
 	return cmd
 }
@@ -471,7 +482,7 @@ func (s *Server) spawn(cmd *exec.Cmd, outName string) (*proc, error) {
 	}
 	defer out.Close() // the child has its own copy
 	cmd.Stdout, cmd.Stderr = out, out
-	if err := cmd.Start(); err != nil {
+	if err := startOnSpawnerThread(cmd); err != nil {
 		return nil, fmt.Errorf("ganesha: starting %s: %w", cmd.Path, err)
 	}
 	p := &proc{cmd: cmd, pid: cmd.Process.Pid, started: time.Now(), done: make(chan struct{})}
@@ -714,47 +725,97 @@ func (s *Server) terminate(p *proc) error {
 	return fmt.Errorf("ganesha: %s (pid %d) had to be killed", name, p.pid)
 }
 
-// stopStale stops processes an earlier Server on the same Dir left behind
-// (its caller died without Stop). A PID is only signalled when its command
-// line names this Dir's configuration file, so a recycled PID is left alone.
+// stopStale stops the ganesha and bus an earlier Server on the same Dir
+// left running: its process died without Stop and without taking them
+// along (a version without the parent-death signal, or one started in
+// another way), or their pid files are gone (an interrupted start, a
+// directory cleaned by hand). They are found by what they run: processes
+// whose command line names this Dir's configuration file as an argument of
+// its own (ganesha's -f, dbus-daemon's --config-file=), from the pid files
+// and from a scan of /proc. Nothing else matches: another Server's Dir has
+// other paths, and a recycled PID no longer names the file. Each is stopped
+// by PID (SIGTERM, SIGKILL after StopTimeout), ganesha before its bus.
 func (s *Server) stopStale() {
-	for _, f := range []struct{ pidFile, conf string }{
+	for _, k := range []struct{ pidFile, arg string }{
 		{GaneshaPIDName, s.path(GaneshaConfName)},
-		{BusPIDName, s.path(BusConfName)},
+		{BusPIDName, "--config-file=" + s.path(BusConfName)},
 	} {
-		data, err := os.ReadFile(s.path(f.pidFile))
-		if err != nil {
-			continue
-		}
-		pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
-		if err != nil || pid <= 1 {
-			continue
-		}
-		cmdline, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
-		if err != nil || !bytes.Contains(cmdline, []byte(f.conf)) {
-			continue
-		}
-		s.logf("ganesha: stopping pid %d left behind by an earlier run", pid)
-		_ = syscall.Kill(pid, syscall.SIGTERM)
-		deadline := time.Now().Add(s.cfg.StopTimeout)
-		for alive(pid, f.conf) && time.Now().Before(deadline) {
-			time.Sleep(50 * time.Millisecond)
-		}
-		if alive(pid, f.conf) {
-			_ = syscall.Kill(pid, syscall.SIGKILL)
-			for i := 0; i < 100 && alive(pid, f.conf); i++ {
-				time.Sleep(50 * time.Millisecond)
+		pids := leftovers(s.path(k.pidFile), k.arg)
+		if len(pids) > 0 {
+			s.logf("ganesha: stopping pids %v left behind by an earlier run on %s", pids, s.cfg.Dir)
+			for _, pid := range pids {
+				_ = syscall.Kill(pid, syscall.SIGTERM)
+			}
+			if !waitGone(pids, k.arg, s.cfg.StopTimeout) {
+				for _, pid := range pids {
+					if alive(pid, k.arg) {
+						s.logf("ganesha: pid %d ignored SIGTERM for %v; sending SIGKILL", pid, s.cfg.StopTimeout)
+						_ = syscall.Kill(pid, syscall.SIGKILL)
+					}
+				}
+				if !waitGone(pids, k.arg, 5*time.Second) {
+					s.logf("ganesha: pids %v left behind still run after SIGKILL", pids)
+				}
 			}
 		}
-		os.Remove(s.path(f.pidFile))
+		os.Remove(s.path(k.pidFile))
 	}
 }
 
-// alive reports whether pid still runs with conf on its command line (a
-// zombie has an empty command line).
-func alive(pid int, conf string) bool {
+// leftovers lists the processes that run with arg as one of their
+// arguments: the one in pidFile, if it still does, and every other one in
+// /proc.
+func leftovers(pidFile, arg string) []int {
+	var pids []int
+	if data, err := os.ReadFile(pidFile); err == nil {
+		if pid, err := strconv.Atoi(strings.TrimSpace(string(data))); err == nil && pid > 1 && alive(pid, arg) {
+			pids = append(pids, pid)
+		}
+	}
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return pids
+	}
+	self := os.Getpid()
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid <= 1 || pid == self || slices.Contains(pids, pid) {
+			continue
+		}
+		if alive(pid, arg) {
+			pids = append(pids, pid)
+		}
+	}
+	return pids
+}
+
+// waitGone waits until none of pids runs with arg any more, at most d.
+func waitGone(pids []int, arg string, d time.Duration) bool {
+	deadline := time.Now().Add(d)
+	for {
+		if !slices.ContainsFunc(pids, func(pid int) bool { return alive(pid, arg) }) {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// alive reports whether pid runs with arg as one of its arguments (a
+// zombie has an empty command line, a recycled PID another one).
+func alive(pid int, arg string) bool {
 	cmdline, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
-	return err == nil && bytes.Contains(cmdline, []byte(conf))
+	if err != nil {
+		return false
+	}
+	for a := range bytes.SplitSeq(cmdline, []byte{0}) {
+		if string(a) == arg {
+			return true
+		}
+	}
+	return false
 }
 
 // tail returns the last n lines of a file, or a note that it is unreadable.
