@@ -84,10 +84,13 @@ const (
 //     the host name, so a controller in a new container (another host name)
 //     on the same --nfs-ganesha-dir finds it. SIGKILL and SIGTERM both leave
 //     it in place: a shutdown does not expire clients.
-//   - At start it moves those entries to v4old/node0, enters grace, and
-//     counts them ("check grace:reclaim complete(0) clid count(N)" in its
-//     log); v4old is emptied when grace ends, and a start during grace reads
-//     it again, so two quick restarts do not forget a client.
+//   - At start it reads v4old/node0 (deleting what it read) and moves the
+//     v4recov entries there, enters grace and counts them all ("check
+//     grace:reclaim complete(0) clid count(N)" in its log); v4old is emptied
+//     when grace ends. So a client that has not reclaimed yet is still known
+//     after a second restart during grace, but not after a third: a client
+//     that comes back is recorded in v4recov again, one that does not is
+//     forgotten by a crash loop faster than it reconnects.
 //   - With no entries it lifts grace during the start, before it registers
 //     on D-Bus ("NFS Server Now NOT IN GRACE"): a ganesha that answers on the
 //     bus after a start without known clients is out of grace.
