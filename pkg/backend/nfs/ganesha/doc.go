@@ -45,7 +45,9 @@
 // group, and neither outlives it: they are started with a parent-death
 // signal from a thread that lives as long as the process (spawn.go), and a
 // start stops whatever an earlier Server left running on the same runtime
-// directory, found by the configuration files its command line names. ganesha is configured for NFSv4 only, with numeric owners, with
+// directory, found by the configuration files its command line names.
+//
+// ganesha is configured for NFSv4 only, with numeric owners, with
 // Mount_Path_Pseudo so that D-Bus reports pseudo paths, and with its
 // recovery database (the fs backend) in the runtime directory: after a
 // restart with clients it knew, it is in grace until they reclaimed their
