@@ -588,8 +588,8 @@ var nfsCrashPoints = []string{
 }
 
 // TestNFSCrashAtEveryStepConverges: the NFS controller killed with SIGKILL
-// at each step of create, publish, unpublish and delete (its ganesha is
-// orphaned and replaced at the restart), the call retried until it
+// at each step of create, publish, unpublish and delete (its ganesha and
+// bus die with it, the restart starts new ones), the call retried until it
 // succeeds. After each call what ganesha serves, asked over its bus, is
 // exactly what the records say; at the end no export, record, image, loop
 // device or mount is left.

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -19,7 +18,6 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
-	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha"
 	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha/ganeshatest"
 	"github.com/modeguard/modeguard/pkg/localcluster"
 	"github.com/modeguard/modeguard/pkg/nodeid"
@@ -45,9 +43,10 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 
+	gdir := filepath.Join(work, "ganesha")
 	ctrl := testenv.NewController(t, bin, net.Server.Path, work, "--roles", "controller", "-v", "2",
 		"--nfs-export-root", filepath.Join(work, "nfs"), "--nfs-pool-size", "1Gi",
-		"--nfs-server", net.Server.Addr.String(), "--nfs-ganesha-dir", filepath.Join(work, "ganesha"))
+		"--nfs-server", net.Server.Addr.String(), "--nfs-ganesha-dir", gdir)
 	ctrl.Start(ctx)
 	t.Cleanup(func() {
 		ctrl.Stop()
@@ -266,7 +265,10 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 		wantCode(t, "publish gone to node-1", publish(gone, accessmode.MultiNodeMultiWriter, 0, false), codes.OK)
 		mustWrite(t, n1, gone, "f")
 
+		// The controller alone is killed; its ganesha and bus die with it.
+		oldG, oldB := testenv.NFSServerPIDs(t, gdir)
 		ctrl.Kill()
+		testenv.WaitNFSServerGone(t, gdir, oldG, oldB)
 		// While the controller is down, the record of "gone" disappears,
 		// as after a crash in the middle of deleting it.
 		// The records live in the storage's root: the export root itself
@@ -288,6 +290,17 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 		}
 		ctrl.Start(ctx)
 
+		// The nodes' clients are in the recovery database the new ganesha
+		// read from the same directory: it is in grace, and a new open
+		// (libnfs does not reclaim) waits for its end.
+		control := testenv.NFSControl(t, gdir)
+		if in, err := control.InGrace(ctx); err != nil || !in {
+			t.Fatalf("after a restart with known clients ganesha is not in grace (%v, %v): the recovery database was lost", in, err)
+		}
+		if err := canWrite(n2, kept, "during-grace"); err == nil || !strings.Contains(err.Error(), "NFS4ERR_GRACE") {
+			t.Fatalf("a new open during grace: %v, want NFS4ERR_GRACE", err)
+		}
+		testenv.WaitGraceEnded(ctx, t, gdir)
 		mustRead(t, n2, kept, "before-crash")
 		mustWrite(t, n2, kept, "after-restart")
 		mustNotRead(t, n1, kept, "before-crash")
@@ -302,15 +315,8 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 		mustWrite(t, n2, vol, "before-crash")
 		// As when the controller's container is killed: every process of
 		// it dies at once, by SIGKILL, with nothing cleaned up.
-		var pids []int
-		for _, name := range []string{ganesha.GaneshaPIDName, ganesha.BusPIDName} {
-			pid, err := strconv.Atoi(strings.TrimSpace(testenv.ReadFile(filepath.Join(work, "ganesha", name))))
-			if err != nil {
-				t.Fatalf("pid file %s: %v", name, err)
-			}
-			pids = append(pids, pid)
-		}
-		for _, pid := range pids {
+		g, b := testenv.NFSServerPIDs(t, gdir)
+		for _, pid := range []int{g, b} {
 			if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
 				t.Fatalf("killing %d: %v", pid, err)
 			}
@@ -318,6 +324,7 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 		ctrl.Kill()
 		ctrl.Start(ctx)
 
+		testenv.WaitGraceEnded(ctx, t, gdir)
 		mustRead(t, n2, vol, "before-crash")
 		mustWrite(t, n2, vol, "after-restart")
 		mustNotRead(t, n1, vol, "before-crash")

@@ -5,6 +5,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -12,6 +14,8 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha"
 )
 
 // BuildBinary compiles the driver (with the race detector) into a
@@ -36,6 +40,8 @@ type Controller struct {
 	NetNS    string   // /run/netns/<name>
 	Log      string
 	Endpoint string // unix:///...
+	// GaneshaDir is the --nfs-ganesha-dir StartNFSController gave it.
+	GaneshaDir string
 
 	cmd  *exec.Cmd
 	done chan struct{}
@@ -92,11 +98,75 @@ func (c *Controller) Start(ctx context.Context) {
 	}
 }
 
-// Kill stops the controller with SIGKILL, as a crash would: its ganesha
-// and bus are orphaned, and the next Start must take over from them.
+// Kill stops the controller with SIGKILL, as a crash would. Its ganesha
+// and bus get their parent-death signal and die with it (WaitNFSServerGone
+// waits for that); the next Start brings up a new ganesha on the same
+// directory, with the same recovery database.
 func (c *Controller) Kill() {
 	_ = c.cmd.Process.Signal(syscall.SIGKILL)
 	<-c.done
+}
+
+// NFSServerPIDs reads the PIDs of the ganesha and the bus a controller runs
+// from their pid files in its --nfs-ganesha-dir.
+func NFSServerPIDs(t testing.TB, ganeshaDir string) (ganeshaPID, busPID int) {
+	t.Helper()
+	var pids [2]int
+	for i, name := range []string{ganesha.GaneshaPIDName, ganesha.BusPIDName} {
+		pid, err := strconv.Atoi(strings.TrimSpace(ReadFile(filepath.Join(ganeshaDir, name))))
+		if err != nil {
+			t.Fatalf("pid file %s: %v", name, err)
+		}
+		pids[i] = pid
+	}
+	return pids[0], pids[1]
+}
+
+// WaitNFSServerGone waits until the given ganesha and bus of ganeshaDir no
+// longer run (a zombie has an empty command line), failing the test after
+// 30 s.
+func WaitNFSServerGone(t testing.TB, ganeshaDir string, pids ...int) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var running []int
+		for _, pid := range pids {
+			cmdline, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
+			if err == nil && strings.Contains(string(cmdline), ganeshaDir) {
+				running = append(running, pid)
+			}
+		}
+		if len(running) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pids %v of the NFS server in %s still run", running, ganeshaDir)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// NFSControl is a ganesha.Control on the private bus of the ganesha a
+// controller runs in ganeshaDir (closed at the end of the test).
+func NFSControl(t testing.TB, ganeshaDir string) *ganesha.Control {
+	t.Helper()
+	c, err := ganesha.Dial("unix:path=" + filepath.Join(ganeshaDir, ganesha.BusSocketName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// WaitGraceEnded waits until the ganesha a controller runs in ganeshaDir is
+// out of its grace period: after a restart with clients it knew, it refuses
+// new opens and locks until they reclaimed (kernel clients wait; libnfs
+// clients fail with NFS4ERR_GRACE).
+func WaitGraceEnded(ctx context.Context, t testing.TB, ganeshaDir string) {
+	t.Helper()
+	if err := NFSControl(t, ganeshaDir).WaitGraceEnded(ctx); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // Stop stops the controller with SIGTERM (SIGKILL after 20 s) and closes
@@ -138,10 +208,12 @@ func ReadFile(p string) string {
 func StartNFSController(ctx context.Context, t testing.TB, bin, netns, server string, extra ...string) *Controller {
 	t.Helper()
 	work := t.TempDir()
+	gdir := filepath.Join(work, "ganesha")
 	args := append([]string{"--roles", "controller", "-v", "2",
 		"--nfs-export-root", filepath.Join(work, "nfs"), "--nfs-server", server,
-		"--nfs-ganesha-dir", filepath.Join(work, "ganesha")}, extra...)
+		"--nfs-ganesha-dir", gdir}, extra...)
 	ctrl := NewController(t, bin, netns, work, args...)
+	ctrl.GaneshaDir = gdir
 	ctrl.Start(ctx)
 	t.Cleanup(func() {
 		ctrl.Stop()

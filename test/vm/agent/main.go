@@ -15,6 +15,12 @@
 //	/plugin/start  {"path", "args", "log", "probe"}    -> {"error", "pid"}
 //	/plugin/kill   {}                                  -> {"error"}
 //	/plugin/status {}                                  -> {"pid", "running", "exit"}
+//	/lock/hold     {"path", "start", "len", "wait"}    -> {"id", "pid", "error", "errno"}
+//	/lock/write    {"id", "offset", "data"}            -> {"error", "errno"}
+//	/lock/release  {"id"}                              -> {"error", "errno"}
+//	/lock/try      {"path", "start", "len", "timeout_ms"} -> {"outcome", "conflict", "error", "errno"}
+//
+// Each lock is held or tried by a child process of the agent (see lock.go).
 //
 // A command that cannot be started gets exit code 127 and the reason as
 // output, as from a shell.
@@ -46,11 +52,15 @@ var (
 )
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == lockChildArg {
+		lockChild(os.Args[2:])
+	}
 	listen := flag.String("listen", ":10001", "address to serve the API on")
 	flag.Parse()
 	log.SetFlags(log.Ltime | log.Lmicroseconds)
 	log.SetPrefix("agent " + *name + ": ")
 	p := &plugin{}
+	locks := &lockHolders{}
 	mux := http.NewServeMux()
 	handle(mux, agentapi.PathPing, func(ctx context.Context, _ *struct{}) (any, error) {
 		return map[string]any{"name": *name, "uptime_seconds": time.Since(start).Seconds()}, nil
@@ -61,6 +71,10 @@ func main() {
 	handle(mux, agentapi.PathPluginStart, p.start)
 	handle(mux, agentapi.PathPluginKill, p.kill)
 	handle(mux, agentapi.PathPluginStatus, p.status)
+	handle(mux, agentapi.PathLockHold, locks.hold)
+	handle(mux, agentapi.PathLockWrite, locks.write)
+	handle(mux, agentapi.PathLockRelease, locks.release)
+	handle(mux, agentapi.PathLockTry, tryLock)
 	lis, err := net.Listen("tcp", *listen)
 	if err != nil {
 		log.Fatal(err)

@@ -59,3 +59,78 @@ type PluginResponse struct {
 	Running bool   `json:"running,omitempty"`
 	Exit    string `json:"exit,omitempty"`
 }
+
+// Paths for POSIX record locks (fcntl F_SETLK, F_SETLKW, F_GETLK), each
+// taken by a process of its own: POSIX locks belong to a process, never
+// conflict with another lock of the same process, and go when the process
+// closes any descriptor of the file.
+const (
+	PathLockHold    = "/lock/hold"    // LockRequest -> HoldResponse
+	PathLockWrite   = "/lock/write"   // HolderWriteRequest -> FileResponse
+	PathLockRelease = "/lock/release" // HolderRequest -> HoldResponse
+	PathLockTry     = "/lock/try"     // LockRequest -> TryLockResponse
+)
+
+// LockRequest names a write lock on Len bytes of the file at Path from
+// Start (Len 0: to the end of the file and beyond, so Start 0 and Len 0
+// lock the whole file). /lock/hold opens the file (creating it) in a new
+// process that takes the lock, waiting for it (F_SETLKW) when Wait is set,
+// and keeps it with the file open until released. /lock/try tries it
+// (F_SETLK) in a process that lets it go at once, giving up after
+// TimeoutMS (5 s when zero): the kernel NFS client keeps retrying while
+// the server answers NFS4ERR_GRACE.
+type LockRequest struct {
+	Path      string `json:"path"`
+	Start     int64  `json:"start,omitempty"`
+	Len       int64  `json:"len,omitempty"`
+	Wait      bool   `json:"wait,omitempty"`
+	TimeoutMS int64  `json:"timeout_ms,omitempty"`
+}
+
+// HoldResponse identifies the process holding a lock (ID for the other
+// /lock calls, PID in the VM), or tells why it could not take it.
+type HoldResponse struct {
+	ID    int    `json:"id,omitempty"`
+	PID   int    `json:"pid,omitempty"`
+	Error string `json:"error,omitempty"`
+	Errno int    `json:"errno,omitempty"`
+}
+
+// HolderRequest names a lock holder.
+type HolderRequest struct {
+	ID int `json:"id"`
+}
+
+// HolderWriteRequest writes Data at Offset through the holder's open file
+// and fsyncs it.
+type HolderWriteRequest struct {
+	ID     int    `json:"id"`
+	Offset int64  `json:"offset"`
+	Data   []byte `json:"data"`
+}
+
+// Outcomes of /lock/try.
+const (
+	LockAcquired = "acquired" // the lock was free (and is let go again)
+	LockDenied   = "denied"   // F_SETLK failed with EAGAIN or EACCES: someone holds a conflicting lock
+	LockBlocked  = "blocked"  // no answer within the timeout (the attempt was killed)
+	LockFailed   = "failed"   // another error; see Error and Errno
+)
+
+// TryLockResponse is the outcome of /lock/try; for LockDenied, Conflict is
+// the conflicting lock F_GETLK reports.
+type TryLockResponse struct {
+	Outcome  string     `json:"outcome"`
+	Conflict *LockRange `json:"conflict,omitempty"`
+	Error    string     `json:"error,omitempty"`
+	Errno    int        `json:"errno,omitempty"`
+}
+
+// LockRange is a lock as F_GETLK reports it. PID is the holder's on this
+// machine; for a lock held through another NFS client it means nothing.
+type LockRange struct {
+	Type  string `json:"type"` // "write" or "read"
+	Start int64  `json:"start"`
+	Len   int64  `json:"len"`
+	PID   int    `json:"pid"`
+}

@@ -239,6 +239,18 @@ func Start(t testing.TB, opts Options) *Cluster {
 	for i, v := range c.VMs {
 		t.Logf("vmtest: %s (%s) up in %s", v.Name, v.Addr, took[i].Round(time.Millisecond))
 	}
+	// The NFSv4 client names itself to the server by the host name, and
+	// every VM boots as "(none)": the server would take the VMs for one
+	// client, each mount replacing the other's state (opens and locks).
+	// Named after the VM, as real nodes have names of their own.
+	for _, v := range c.VMs {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		out, code, err := v.Run(ctx, "hostname", v.Name)
+		cancel()
+		if err != nil || code != 0 {
+			t.Fatalf("vmtest: naming %s: exit %d, %v: %s", v.Name, code, err, out)
+		}
+	}
 	return c
 }
 

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/modeguard/modeguard/test/testenv"
+	"github.com/modeguard/modeguard/test/vm/agentapi"
 	"github.com/modeguard/modeguard/test/vm/vmtest"
 )
 
@@ -313,6 +314,9 @@ func TestVMAgent(t *testing.T) {
 	if out, code, err := vm.Run(ctx, "uname", "-r"); err != nil || code != 0 || !strings.HasSuffix(strings.TrimSpace(out), "-amd64") {
 		t.Errorf("the VM should run Debian's kernel: %q %d %v", out, code, err)
 	}
+	if out, code, err := vm.Run(ctx, "hostname"); err != nil || code != 0 || strings.TrimSpace(out) != vm.Name {
+		t.Errorf("the VM's host name (its NFS client's identity): %q %d %v; want %s", out, code, err, vm.Name)
+	}
 	if _, code, err := vm.Run(ctx, "no-such-command-here"); err != nil || code != 127 {
 		t.Errorf("a missing command: exit %d, %v; want 127", code, err)
 	}
@@ -336,6 +340,41 @@ func TestVMAgent(t *testing.T) {
 	if _, err := os.Stat(p); err == nil {
 		t.Errorf("%s exists on the host: Path must be VM-local", p)
 	}
+	// POSIX locks, each held or tried by a process of its own.
+	lk := vm.Path("dir", "locked")
+	holder, err := vm.HoldLock(ctx, lk, 10, 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err := vm.TryLock(ctx, lk, 25, 1, time.Minute); err != nil || r.Outcome != agentapi.LockDenied || r.Errno != int(syscall.EAGAIN) ||
+		r.Conflict == nil || *r.Conflict != (agentapi.LockRange{Type: "write", Start: 10, Len: 20, PID: holder.PID}) {
+		t.Errorf("trying a held range: %+v (conflict %+v), %v; want denied by pid %d's [10, 30)", r, r.Conflict, err, holder.PID)
+	}
+	if r, err := vm.TryLock(ctx, lk, 30, 0, time.Minute); err != nil || r.Outcome != agentapi.LockAcquired {
+		t.Errorf("trying the free rest of the file: %+v, %v", r, err)
+	}
+	if err := holder.Write(ctx, 3, []byte("abc")); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := vm.ReadFile(ctx, lk); err != nil || string(got) != "\x00\x00\x00abc" {
+		t.Errorf("written through the holder: %q %v", got, err)
+	}
+	if err := holder.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := vm.TryLock(ctx, lk, 0, 0, time.Minute); err != nil || r.Outcome != agentapi.LockAcquired {
+		t.Errorf("trying the whole file after the release: %+v, %v", r, err)
+	}
+	if err := holder.Write(ctx, 0, []byte("x")); err == nil {
+		t.Errorf("a released holder still writes")
+	}
+	if r, err := vm.TryLock(ctx, vm.Path("dir", "missing"), 0, 0, time.Minute); err != nil || r.Outcome != agentapi.LockFailed || r.Errno != int(syscall.ENOENT) {
+		t.Errorf("trying a missing file: %+v, %v; want failed with ENOENT", r, err)
+	}
+	if _, err := vm.HoldLock(ctx, vm.Path("no-dir", "f"), 0, 0); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("holding a lock below a missing directory: %v, want ENOENT", err)
+	}
+
 	if _, code, _ := vm.Run(ctx, "mount", "-o", "remount,ro", vm.Path()); code != 0 {
 		t.Fatal("remounting the VM-local tmpfs read-only failed")
 	}

@@ -20,6 +20,8 @@ const (
 	BusName         = "org.ganesha.nfsd"
 	ExportMgrPath   = "/org/ganesha/nfsd/ExportMgr"
 	ExportMgrIface  = "org.ganesha.nfsd.exportmgr"
+	AdminPath       = "/org/ganesha/nfsd/admin"
+	AdminIface      = "org.ganesha.nfsd.admin"
 	defaultCallWait = 30 * time.Second
 )
 
@@ -157,9 +159,15 @@ func (c *Control) drop(conn *dbus.Conn) {
 	}
 }
 
-// call invokes an ExportMgr method and returns the reply body. D-Bus errors
-// become *Error; a broken connection is dialed again once.
+// call invokes an ExportMgr method and returns the reply body.
 func (c *Control) call(ctx context.Context, method string, args ...any) ([]any, error) {
+	return c.callOn(ctx, ExportMgrPath, ExportMgrIface, method, args...)
+}
+
+// callOn invokes method of iface on ganesha's object path and returns the
+// reply body. D-Bus errors become *Error; a broken connection is dialed
+// again once.
+func (c *Control) callOn(ctx context.Context, path dbus.ObjectPath, iface, method string, args ...any) ([]any, error) {
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, defaultCallWait)
@@ -170,7 +178,7 @@ func (c *Control) call(ctx context.Context, method string, args ...any) ([]any, 
 		if err != nil {
 			return nil, err
 		}
-		call := conn.Object(BusName, ExportMgrPath).CallWithContext(ctx, ExportMgrIface+"."+method, 0, args...)
+		call := conn.Object(BusName, path).CallWithContext(ctx, iface+"."+method, 0, args...)
 		if call.Err == nil {
 			return call.Body, nil
 		}
@@ -305,6 +313,55 @@ func (c *Control) HasExport(ctx context.Context, id uint16) (bool, error) {
 func (c *Control) Ping(ctx context.Context) error {
 	_, err := c.call(ctx, "ShowExports")
 	return err
+}
+
+// InGrace reports whether ganesha is in its grace period (the admin
+// interface's get_grace). During grace ganesha answers OPEN and LOCK with
+// NFS4ERR_GRACE unless they reclaim state a client held before the
+// restart; the kernel client waits and retries, other clients may fail.
+func (c *Control) InGrace(ctx context.Context) (bool, error) {
+	body, err := c.callOn(ctx, AdminPath, AdminIface, "get_grace")
+	if err != nil {
+		return false, err
+	}
+	if len(body) < 2 {
+		return false, fmt.Errorf("ganesha get_grace: reply has %d values, want 3", len(body))
+	}
+	in, ok1 := body[0].(bool)
+	success, ok2 := body[1].(bool)
+	if !ok1 || !ok2 {
+		return false, fmt.Errorf("ganesha get_grace: unexpected reply types %T, %T", body[0], body[1])
+	}
+	if !success {
+		return false, fmt.Errorf("ganesha get_grace: failed: %v", body[2:])
+	}
+	return in, nil
+}
+
+// WaitGraceEnded returns once ganesha answers that it is not in grace, or
+// when ctx ends. A ganesha that is not (yet) on the bus is waited for.
+func (c *Control) WaitGraceEnded(ctx context.Context) error {
+	var last error
+	for {
+		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		in, err := c.InGrace(pctx)
+		cancel()
+		switch {
+		case err == nil && !in:
+			return nil
+		case errors.Is(err, ErrClosed):
+			return err
+		case err == nil:
+			last = errors.New("still in grace")
+		default:
+			last = err
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("ganesha: waiting for the grace period to end: %w (last: %v)", ctx.Err(), last)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }
 
 // ExportInfo is what ganesha reports about one export.

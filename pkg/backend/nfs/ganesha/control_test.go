@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 )
 
 // client builds a DisplayExport client entry as ganesha 4.3 sends it.
@@ -128,11 +129,16 @@ func TestErrorClassification(t *testing.T) {
 }
 
 func TestServerConfigRendering(t *testing.T) {
-	cfg := ServerConfig{Dir: "/run/mg", ExportDir: "/var/lib/mg/exports", Port: 20490, ListenAddress: "10.99.0.1"}
+	cfg, err := ServerConfig{Dir: "/run/mg", ExportDir: "/var/lib/mg/exports", Port: 20490, ListenAddress: "10.99.0.1",
+		GaneshaBinary: "/bin/true", DBusBinary: "/bin/true"}.withDefaults()
+	if err != nil {
+		t.Fatal(err)
+	}
 	conf := string(cfg.ganeshaConf())
 	for _, want := range []string{
-		"\tProtocols = 4;\n", "\tNFS_Port = 20490;\n", "\tBind_addr = 10.99.0.1;\n",
-		"\tGraceless = true;\n", "\tRecoveryBackend = fs;\n", "\tRecoveryRoot = \"/run/mg/recovery\";\n",
+		"\tProtocols = 4;\n", "\tNFS_Port = 20490;\n", "\tBind_addr = 10.99.0.1;\n", "\tEnable_NLM = false;\n",
+		"\tGraceless = false;\n", "\tLease_Lifetime = 20;\n", "\tGrace_Period = 30;\n",
+		"\tRecoveryBackend = fs;\n", "\tRecoveryRoot = \"/run/mg/recovery\";\n",
 		"\tOnly_Numeric_Owners = true;\n", "\tActive_krb5 = false;\n", "\tMount_Path_Pseudo = true;\n",
 		"%dir \"/var/lib/mg/exports\"\n",
 	} {
@@ -160,7 +166,17 @@ func TestServerConfigRefusesBadValues(t *testing.T) {
 		{Dir: "/run/mg", GaneshaBinary: "/nonexistent/ganesha.nfsd"},
 		{Dir: "/run/mg", NetNSPath: "/nonexistent/netns"},
 		{Dir: "/" + strings.Repeat("d", 120)},
+		{Dir: "/run/mg", LeaseLifetime: 1500 * time.Millisecond},
+		{Dir: "/run/mg", LeaseLifetime: 30 * time.Second, GracePeriod: 20 * time.Second},
+		{Dir: "/run/mg", GracePeriod: 10 * time.Second}, // shorter than the default lease
+		{Dir: "/run/mg", GracePeriod: 181 * time.Second},
+		{Dir: "/run/mg", LeaseLifetime: -time.Second},
 	} {
+		// Present binaries, so that only the value under test is wrong.
+		if cfg.GaneshaBinary == "" {
+			cfg.GaneshaBinary = "/bin/true"
+		}
+		cfg.DBusBinary = "/bin/true"
 		if _, err := cfg.withDefaults(); err == nil {
 			t.Errorf("accepted %+v", cfg)
 		}

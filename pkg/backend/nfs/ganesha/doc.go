@@ -42,9 +42,20 @@
 // root may join, on which only root may own org.ganesha.nfsd) and
 // ganesha.nfsd in the foreground with DBUS_SYSTEM_BUS_ADDRESS pointing at
 // that bus, both children of the calling process, each in its own process
-// group. ganesha is configured for NFSv4 only, without a grace period
-// (Graceless, so OPEN works right after a start), with numeric owners, and
-// with Mount_Path_Pseudo so that D-Bus reports pseudo paths. If ganesha
-// exits while the Server runs, it is started again after a short backoff and
-// comes back with every export found in the export directory.
+// group, and neither outlives it: they are started with a parent-death
+// signal from a thread that lives as long as the process (spawn.go), and a
+// start stops whatever an earlier Server left running on the same runtime
+// directory, found by the configuration files its command line names.
+//
+// ganesha is configured for NFSv4 only, with numeric owners, with
+// Mount_Path_Pseudo so that D-Bus reports pseudo paths, and with its
+// recovery database (the fs backend) in the runtime directory: after a
+// restart with clients it knew, it is in grace until they reclaimed their
+// opens and locks or GracePeriod passed, so that no other client can take a
+// lock in between; with none it is not in grace at all (what ganesha 4.3
+// does in detail is next to DefaultGracePeriod). Control.InGrace and
+// Control.WaitGraceEnded tell when grace is over. If ganesha exits while the
+// Server runs, it is started again after a short backoff and comes back with
+// every export found in the export directory and the clients in its
+// recovery database.
 package ganesha

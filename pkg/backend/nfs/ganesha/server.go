@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -49,6 +50,12 @@ type ServerConfig struct {
 	// when zero); StopTimeout bounds how long Stop waits after SIGTERM
 	// before SIGKILL (15 s when zero; ganesha takes a few seconds).
 	ReadyTimeout, StopTimeout time.Duration
+	// LeaseLifetime and GracePeriod are NFSv4's lease and grace period
+	// (ganesha's Lease_Lifetime and Grace_Period), whole seconds;
+	// DefaultLeaseLifetime and DefaultGracePeriod when zero. GracePeriod
+	// may not be shorter than LeaseLifetime: a client learns of a restart
+	// only when it next renews its lease.
+	LeaseLifetime, GracePeriod time.Duration
 	// Logf receives the supervisor's messages; klog.Infof when nil.
 	Logf func(format string, args ...any)
 }
@@ -64,6 +71,51 @@ const (
 	BusOutName      = "dbus.out"
 	BusPIDName      = "dbus.pid"
 	RecoveryDirName = "recovery"
+)
+
+// What ganesha 4.3 does across a restart, as observed with its fs recovery
+// backend (Debian's nfs-ganesha 4.3; see the tests of this package and the
+// lock test in test/vm/nfs):
+//
+//   - It keeps one directory per client in RecoveryRoot/v4recov/node0, named
+//     "<client address>-(<length>:<client owner>)", made when the client's id
+//     is confirmed (SETCLIENTID_CONFIRM, CREATE_SESSION) and removed when
+//     its lease expires or it destroys its id. The path does not depend on
+//     the host name, so a controller in a new container (another host name)
+//     on the same --nfs-ganesha-dir finds it. SIGKILL and SIGTERM both leave
+//     it in place: a shutdown does not expire clients.
+//   - At start it reads v4old/node0 (deleting what it read) and moves the
+//     v4recov entries there, enters grace and counts them all ("check
+//     grace:reclaim complete(0) clid count(N)" in its log); v4old is emptied
+//     when grace ends. So a client that has not reclaimed yet is still known
+//     after a second restart during grace, but not after a third: a client
+//     that comes back is recorded in v4recov again, one that does not is
+//     forgotten by a crash loop faster than it reconnects.
+//   - With no entries it lifts grace during the start, before it registers
+//     on D-Bus ("NFS Server Now NOT IN GRACE"): a ganesha that answers on the
+//     bus after a start without known clients is out of grace.
+//   - With entries, it lifts grace as soon as every client it knew sent
+//     RECLAIM_COMPLETE (NFSv4.1 and later; only with Enable_NLM = false), as
+//     checked by its reaper thread every 10 s (Lease_Lifetime/2 when the lease
+//     is shorter than 20 s), and otherwise after Grace_Period. An NFSv4.0
+//     client (libnfs) never sends RECLAIM_COMPLETE, so one that is known
+//     keeps the full grace period.
+//   - During grace OPEN and LOCK that reclaim nothing fail with
+//     NFS4ERR_GRACE: the kernel client waits and retries them, libnfs gives
+//     up. Reclaimed opens and locks are the client's again, and no other
+//     client can take a lock meanwhile.
+const (
+	// DefaultLeaseLifetime: a client silent for longer loses its opens and
+	// locks. Linux renews at two thirds of the lease, so every live client
+	// talks to a restarted server within about 13 s and reclaims at once;
+	// 20 s still rides out a short network interruption.
+	DefaultLeaseLifetime = 20 * time.Second
+	// DefaultGracePeriod is how long a restarted ganesha waits for clients
+	// it knew that do not come back: a lease and 10 s more to reconnect.
+	// When every known client reclaimed, grace ends early (within the
+	// reaper's 10 s); with no known client there is none at all.
+	DefaultGracePeriod = 30 * time.Second
+	maxGracePeriod     = 180 * time.Second
 )
 
 const (
@@ -209,6 +261,17 @@ func (cfg ServerConfig) withDefaults() (ServerConfig, error) {
 	if cfg.StopTimeout <= 0 {
 		cfg.StopTimeout = 15 * time.Second
 	}
+	if cfg.LeaseLifetime == 0 {
+		cfg.LeaseLifetime = DefaultLeaseLifetime
+	}
+	if cfg.GracePeriod == 0 {
+		cfg.GracePeriod = DefaultGracePeriod
+	}
+	if cfg.LeaseLifetime < time.Second || cfg.LeaseLifetime%time.Second != 0 ||
+		cfg.GracePeriod%time.Second != 0 || cfg.GracePeriod < cfg.LeaseLifetime || cfg.GracePeriod > maxGracePeriod {
+		return cfg, fmt.Errorf("ganesha: lease %v and grace period %v: want whole seconds, 1 s <= lease <= grace <= %v",
+			cfg.LeaseLifetime, cfg.GracePeriod, maxGracePeriod)
+	}
 	if cfg.GaneshaBinary == "" {
 		cfg.GaneshaBinary = "ganesha.nfsd"
 	}
@@ -258,12 +321,19 @@ func (cfg ServerConfig) ganeshaConf() []byte {
 	if cfg.ListenAddress != "" {
 		b.WriteString("\tBind_addr = " + cfg.ListenAddress + ";\n")
 	}
+	// NFSv4 only; without NLM, grace can also end as soon as every known
+	// client reclaimed.
 	b.WriteString("\tEnable_NLM = false;\n")
 	b.WriteString("\tEnable_RQUOTA = false;\n")
 	b.WriteString("\tMount_Path_Pseudo = true;\n")
 	b.WriteString("}\n")
+	// A grace period after every start with known clients, so that they
+	// reclaim their opens and locks before anyone else may take them; the
+	// recovery database is on disk in Dir (see DefaultGracePeriod).
 	b.WriteString("NFSV4 {\n")
-	b.WriteString("\tGraceless = true;\n")
+	b.WriteString("\tGraceless = false;\n")
+	b.WriteString("\tLease_Lifetime = " + strconv.Itoa(int(cfg.LeaseLifetime/time.Second)) + ";\n")
+	b.WriteString("\tGrace_Period = " + strconv.Itoa(int(cfg.GracePeriod/time.Second)) + ";\n")
 	b.WriteString("\tRecoveryBackend = fs;\n")
 	b.WriteString("\tRecoveryRoot = \"" + filepath.Join(cfg.Dir, RecoveryDirName) + "\";\n")
 	b.WriteString("\tOnly_Numeric_Owners = true;\n")
@@ -376,8 +446,24 @@ func (s *Server) WaitReady(ctx context.Context) error {
 	}
 }
 
+// WaitGraceEnded waits until ganesha is out of its grace period (see
+// Control.WaitGraceEnded) or ctx ends.
+func (s *Server) WaitGraceEnded(ctx context.Context) error {
+	return s.control.WaitGraceEnded(ctx)
+}
+
 // command builds the command for binary args, inside the network namespace
-// when one is configured, in a process group of its own.
+// when one is configured, in a process group of its own, and killed when
+// the thread that starts it exits (see spawner: the thread lives as long as
+// this process). nsenter with --net only enters the namespace and executes
+// binary in place; the parent-death signal survives that execve (neither
+// binary is set-user-ID or has file capabilities), and ganesha changes
+// credentials only on its worker threads, not on the main thread that
+// carries the signal.
+//
+// SIGKILL rather than SIGTERM: everything ganesha must keep (export files,
+// the recovery database) is on disk before it is needed, so nothing is lost,
+// and a daemon whose supervisor is gone must not linger over a shutdown.
 func (s *Server) command(binary string, args ...string) *exec.Cmd {
 	var cmd *exec.Cmd
 	if s.cfg.NetNSPath != "" {
@@ -386,7 +472,7 @@ func (s *Server) command(binary string, args ...string) *exec.Cmd {
 	} else {
 		cmd = exec.Command(binary, args...)
 	}
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	cmd.Dir = s.cfg.Dir
 	return cmd
 }
@@ -399,7 +485,7 @@ func (s *Server) spawn(cmd *exec.Cmd, outName string) (*proc, error) {
 	}
 	defer out.Close() // the child has its own copy
 	cmd.Stdout, cmd.Stderr = out, out
-	if err := cmd.Start(); err != nil {
+	if err := startOnSpawnerThread(cmd); err != nil {
 		return nil, fmt.Errorf("ganesha: starting %s: %w", cmd.Path, err)
 	}
 	p := &proc{cmd: cmd, pid: cmd.Process.Pid, started: time.Now(), done: make(chan struct{})}
@@ -642,47 +728,97 @@ func (s *Server) terminate(p *proc) error {
 	return fmt.Errorf("ganesha: %s (pid %d) had to be killed", name, p.pid)
 }
 
-// stopStale stops processes an earlier Server on the same Dir left behind
-// (its caller died without Stop). A PID is only signalled when its command
-// line names this Dir's configuration file, so a recycled PID is left alone.
+// stopStale stops the ganesha and bus an earlier Server on the same Dir
+// left running: its process died without Stop and without taking them
+// along (a version without the parent-death signal, or one started in
+// another way), or their pid files are gone (an interrupted start, a
+// directory cleaned by hand). They are found by what they run: processes
+// whose command line names this Dir's configuration file as an argument of
+// its own (ganesha's -f, dbus-daemon's --config-file=), from the pid files
+// and from a scan of /proc. Nothing else matches: another Server's Dir has
+// other paths, and a recycled PID no longer names the file. Each is stopped
+// by PID (SIGTERM, SIGKILL after StopTimeout), ganesha before its bus.
 func (s *Server) stopStale() {
-	for _, f := range []struct{ pidFile, conf string }{
+	for _, k := range []struct{ pidFile, arg string }{
 		{GaneshaPIDName, s.path(GaneshaConfName)},
-		{BusPIDName, s.path(BusConfName)},
+		{BusPIDName, "--config-file=" + s.path(BusConfName)},
 	} {
-		data, err := os.ReadFile(s.path(f.pidFile))
-		if err != nil {
-			continue
-		}
-		pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
-		if err != nil || pid <= 1 {
-			continue
-		}
-		cmdline, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
-		if err != nil || !bytes.Contains(cmdline, []byte(f.conf)) {
-			continue
-		}
-		s.logf("ganesha: stopping pid %d left behind by an earlier run", pid)
-		_ = syscall.Kill(pid, syscall.SIGTERM)
-		deadline := time.Now().Add(s.cfg.StopTimeout)
-		for alive(pid, f.conf) && time.Now().Before(deadline) {
-			time.Sleep(50 * time.Millisecond)
-		}
-		if alive(pid, f.conf) {
-			_ = syscall.Kill(pid, syscall.SIGKILL)
-			for i := 0; i < 100 && alive(pid, f.conf); i++ {
-				time.Sleep(50 * time.Millisecond)
+		pids := leftovers(s.path(k.pidFile), k.arg)
+		if len(pids) > 0 {
+			s.logf("ganesha: stopping pids %v left behind by an earlier run on %s", pids, s.cfg.Dir)
+			for _, pid := range pids {
+				_ = syscall.Kill(pid, syscall.SIGTERM)
+			}
+			if !waitGone(pids, k.arg, s.cfg.StopTimeout) {
+				for _, pid := range pids {
+					if alive(pid, k.arg) {
+						s.logf("ganesha: pid %d ignored SIGTERM for %v; sending SIGKILL", pid, s.cfg.StopTimeout)
+						_ = syscall.Kill(pid, syscall.SIGKILL)
+					}
+				}
+				if !waitGone(pids, k.arg, 5*time.Second) {
+					s.logf("ganesha: pids %v left behind still run after SIGKILL", pids)
+				}
 			}
 		}
-		os.Remove(s.path(f.pidFile))
+		os.Remove(s.path(k.pidFile))
 	}
 }
 
-// alive reports whether pid still runs with conf on its command line (a
-// zombie has an empty command line).
-func alive(pid int, conf string) bool {
+// leftovers lists the processes that run with arg as one of their
+// arguments: the one in pidFile, if it still does, and every other one in
+// /proc.
+func leftovers(pidFile, arg string) []int {
+	var pids []int
+	if data, err := os.ReadFile(pidFile); err == nil {
+		if pid, err := strconv.Atoi(strings.TrimSpace(string(data))); err == nil && pid > 1 && alive(pid, arg) {
+			pids = append(pids, pid)
+		}
+	}
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return pids
+	}
+	self := os.Getpid()
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid <= 1 || pid == self || slices.Contains(pids, pid) {
+			continue
+		}
+		if alive(pid, arg) {
+			pids = append(pids, pid)
+		}
+	}
+	return pids
+}
+
+// waitGone waits until none of pids runs with arg any more, at most d.
+func waitGone(pids []int, arg string, d time.Duration) bool {
+	deadline := time.Now().Add(d)
+	for {
+		if !slices.ContainsFunc(pids, func(pid int) bool { return alive(pid, arg) }) {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// alive reports whether pid runs with arg as one of its arguments (a
+// zombie has an empty command line, a recycled PID another one).
+func alive(pid int, arg string) bool {
 	cmdline, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
-	return err == nil && bytes.Contains(cmdline, []byte(conf))
+	if err != nil {
+		return false
+	}
+	for a := range bytes.SplitSeq(cmdline, []byte{0}) {
+		if string(a) == arg {
+			return true
+		}
+	}
+	return false
 }
 
 // tail returns the last n lines of a file, or a note that it is unreadable.
