@@ -2,6 +2,7 @@ package accessmode
 
 import (
 	"fmt"
+	"strings"
 
 	"google.golang.org/grpc/codes"
 )
@@ -18,16 +19,30 @@ type Attachment struct {
 	Fingerprint string `json:"fingerprint,omitempty"`
 }
 
+// NodeKey is the part of a node id that names the node (see package
+// nodeid: everything before the first '@'). Attachments are matched by it,
+// not by the whole id, whose zone, address and limit are attributes a node
+// may report differently after a restart.
+func NodeKey(nodeID string) string {
+	k, _, _ := strings.Cut(nodeID, "@")
+	return k
+}
+
+// Node is the key of the node holding the attachment.
+func (a Attachment) Node() string { return NodeKey(a.NodeID) }
+
 // CheckAttach decides whether req may join the existing attachments
 // (ControllerPublishVolume, across nodes). req.ReadOnly must already be the
-// effective value (see EffectiveReadOnly).
+// effective value (see EffectiveReadOnly). Nodes are told apart by their
+// key (Attachment.Node): a node asking again under a new address is the
+// same node.
 func CheckAttach(existing []Attachment, req Attachment) Decision {
 	if !Valid(req.Mode) {
 		return refuse(codes.InvalidArgument, ReasonInvalidMode, "access mode %v is not a defined CSI access mode", req.Mode)
 	}
 	var others []Attachment
 	for _, a := range existing {
-		if a.NodeID != req.NodeID {
+		if a.Node() != req.Node() {
 			others = append(others, a)
 			continue
 		}
@@ -79,11 +94,11 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 		allows = "one writer node"
 	}
 	rule := fmt.Sprintf("access mode %s allows %s", Name(req.Mode), allows)
-	if limiter.NodeID != req.NodeID {
+	if limiter.Node() != req.Node() {
 		rule = fmt.Sprintf("node %q holds it as %s, which allows %s", limiter.NodeID, Name(limiter.Mode), allows)
 	}
 	if len(writers) == 0 { // req is the only writer
-		if limiter.NodeID == req.NodeID {
+		if limiter.Node() == req.Node() {
 			return refuse(codes.FailedPrecondition, ReasonWriterLimit,
 				"volume is published read-only to node %q; access mode %s allows no writer node; publish read-only instead",
 				others[0].NodeID, Name(req.Mode))

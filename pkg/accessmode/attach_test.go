@@ -58,6 +58,11 @@ func TestCheckAttach(t *testing.T) {
 		// incompatible" -> ALREADY_EXISTS.
 		{"same node same args", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "ro")), at("node-b", MNSW, "ro"), OK, true, nil, ""},
 		{"same single-node holder again", holds(at("node-a", SNSW, "rw")), at("node-a", SNSW, "rw"), OK, true, nil, ""},
+		// A node is its key: the same node under a new address (or zone,
+		// or limit) is the same holder, not a second node.
+		{"same node under a new address", holds(at("node-a@zone-a@10.0.0.1", SNSW, "rw")), at("node-a@zone-a@10.0.0.2", SNSW, "rw"), OK, true, nil, ""},
+		{"same node new address other args", holds(at("node-a@zone-a@10.0.0.1", SNSW, "rw")), at("node-a@zone-a@10.0.0.2", SNSW, "ro"), codes.AlreadyExists, false, []string{`"node-a@zone-a@10.0.0.1"`}, "PublishedWithOtherArguments"},
+		{"other node same address", holds(at("node-a@zone-a@10.0.0.1", SNW, "rw")), at("node-b@zone-a@10.0.0.1", SNW, "rw"), FP, false, []string{`"node-a@zone-a@10.0.0.1"`, `"node-b@zone-a@10.0.0.1"`}, "HeldByOtherNode"},
 		{"same node other mode", holds(at("node-a", SNSW, "rw")), at("node-a", SNMW, "rw"), AE, false, []string{`"node-a"`}, "PublishedWithOtherArguments"},
 		{"same node other readonly", holds(at("node-a", MNMW, "rw")), at("node-a", MNMW, "ro"), AE, false, []string{`"node-a"`}, "PublishedWithOtherArguments"},
 		{"same node other fingerprint", holds(at("node-a", SNW, "rw")), Attachment{NodeID: "node-a", Mode: SNW, Fingerprint: "block"}, AE, false, []string{`"node-a"`}, "PublishedWithOtherArguments"},

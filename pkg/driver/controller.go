@@ -631,17 +631,33 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 		return nil, err
 	}
 	want := accessmode.Attachment{
-		NodeID:      req.GetNodeId(),
+		NodeID:      node.String(),
 		Mode:        mode,
 		ReadOnly:    accessmode.EffectiveReadOnly(mode, req.GetReadonly(), false),
 		Fingerprint: string(accessType) + "/" + fsType,
 	}
+	unlockNode, err := s.d.nodes.lock(ctx, node.Name)
+	if err != nil {
+		return nil, err
+	}
+	defer unlockNode()
+	held, err := s.d.heldBy(ctx, node.Name)
+	if err != nil {
+		return nil, err
+	}
+	if err := checkNodeZone(node, held); err != nil {
+		s.d.refused(metrics.StageAttach, mode, accessmode.ReasonOtherZone)
+		return nil, err
+	}
+	if now, err := s.d.followNode(ctx, node, held, vol.ID); err != nil {
+		return nil, err
+	} else if now != nil {
+		vol = now
+	}
 	decision := accessmode.CheckAttach(vol.Attachments, want)
 	if decision.Allowed() && !decision.Idempotent {
-		if err := s.checkAttachLimit(ctx, req.GetNodeId()); err != nil {
-			if status.Code(err) == codes.ResourceExhausted {
-				s.d.refused(metrics.StageAttach, mode, accessmode.ReasonAttachLimit)
-			}
+		if err := checkNodeLimit(node, held); err != nil {
+			s.d.refused(metrics.StageAttach, mode, accessmode.ReasonAttachLimit)
 			return nil, err
 		}
 	}
@@ -663,33 +679,6 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 		PublishContextReadOnly: strconv.FormatBool(want.ReadOnly),
 		PublishContextMode:     accessmode.Name(mode),
 	}}, nil
-}
-
-// checkAttachLimit refuses one more volume on a node that already holds
-// --max-volumes-per-node of them: loop devices and mounts per node are finite,
-// and a CO that ignores NodeGetInfo's limit must still be stopped.
-func (s *controllerServer) checkAttachLimit(ctx context.Context, node string) error {
-	limit := s.d.cfg.MaxVolumesPerNode
-	if limit <= 0 {
-		return nil
-	}
-	all, err := s.d.allVolumes(ctx)
-	if err != nil {
-		return err
-	}
-	var held int64
-	for _, v := range all {
-		for _, a := range v.Attachments {
-			if a.NodeID == node {
-				held++
-			}
-		}
-	}
-	if held >= limit {
-		return status.Errorf(codes.ResourceExhausted,
-			"node %s already holds %d volumes, its limit (--max-volumes-per-node); unpublish one first", node, held)
-	}
-	return nil
 }
 
 // checkUse refuses an access type or filesystem the volume was not created with.
@@ -736,19 +725,46 @@ func (s *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *c
 	if err != nil {
 		return nil, err
 	}
-	var keep []accessmode.Attachment
-	for _, a := range vol.Attachments {
-		if req.GetNodeId() != "" && a.NodeID != req.GetNodeId() {
-			keep = append(keep, a)
+	if req.GetNodeId() == "" {
+		// Every node: nothing to match, no node to follow.
+		if len(vol.Attachments) > 0 {
+			if _, err := ctrl.SetAttachments(ctx, id, nil); err != nil {
+				return nil, err
+			}
+			klog.InfoS("Volume unpublished from every node", "volumeID", vol.ID)
 		}
-	}
-	if len(keep) == len(vol.Attachments) {
 		return &csi.ControllerUnpublishVolumeResponse{}, nil
 	}
-	if _, err := ctrl.SetAttachments(ctx, id, keep); err != nil {
+	// The node is matched by its key, so a node that came back under a
+	// new address can still let go of what it held under the old one.
+	key := nodeid.KeyOf(req.GetNodeId())
+	unlockNode, err := s.d.nodes.lock(ctx, key)
+	if err != nil {
 		return nil, err
 	}
-	klog.InfoS("Volume unpublished from node", "volumeID", vol.ID, "node", req.GetNodeId())
+	defer unlockNode()
+	keep := slices.DeleteFunc(slices.Clone(vol.Attachments), func(a accessmode.Attachment) bool { return a.Node() == key })
+	if len(keep) < len(vol.Attachments) {
+		if _, err := ctrl.SetAttachments(ctx, id, keep); err != nil {
+			return nil, err
+		}
+		klog.InfoS("Volume unpublished from node", "volumeID", vol.ID, "node", req.GetNodeId())
+	}
+	// The id is the node's newest: what else it holds follows it, unless
+	// it claims another zone (which its publishes then refuse).
+	node, err := nodeid.Parse(req.GetNodeId())
+	if err != nil {
+		return &csi.ControllerUnpublishVolumeResponse{}, nil
+	}
+	held, err := s.d.heldBy(ctx, key)
+	if err != nil {
+		return nil, err
+	}
+	if checkNodeZone(node, held) == nil {
+		if _, err := s.d.followNode(ctx, node, held, vol.ID); err != nil {
+			return nil, err
+		}
+	}
 	return &csi.ControllerUnpublishVolumeResponse{}, nil
 }
 

@@ -71,10 +71,14 @@ type Config struct {
 
 // Driver implements the three CSI services.
 type Driver struct {
-	cfg    Config
-	locks  *opLocks
-	nodeID string
-	state  *nodestate.Store
+	cfg   Config
+	locks *opLocks
+	nodes *nodeLocks
+	// nodeID is what NodeGetInfo reports; nodeKey is the node's name in
+	// it (the node name itself unless that is too long for a label value).
+	nodeID  string
+	nodeKey string
+	state   *nodestate.Store
 }
 
 // New checks the configuration and prepares a driver.
@@ -85,15 +89,23 @@ func New(cfg Config) (*Driver, error) {
 	if len(cfg.Roles) == 0 {
 		return nil, fmt.Errorf("no role given: serve controller, node, or both")
 	}
-	d := &Driver{cfg: cfg, locks: newOpLocks()}
+	d := &Driver{cfg: cfg, locks: newOpLocks(), nodes: newNodeLocks()}
 	if d.HasRole(RoleController) && len(cfg.Controllers) == 0 {
 		return nil, fmt.Errorf("the controller role needs at least one backend (e.g. --block-pool ZONE=DIR)")
 	}
 	if d.HasRole(RoleNode) {
-		n := nodeid.Node{Name: cfg.NodeName, Zone: cfg.Zone, Address: cfg.NodeAddress}
+		if !nodeid.ValidName(cfg.NodeName) {
+			return nil, fmt.Errorf("the node role needs --node-id: %q is not a node name (a Kubernetes node name, a DNS subdomain of at most %d characters, or a label value)",
+				cfg.NodeName, nodeid.MaxNameLength)
+		}
+		if cfg.MaxVolumesPerNode < 0 {
+			return nil, fmt.Errorf("--max-volumes-per-node is %d; it must be 0 (no limit) or more", cfg.MaxVolumesPerNode)
+		}
+		n := nodeid.Node{Name: nodeid.Key(cfg.NodeName), Zone: cfg.Zone, Address: cfg.NodeAddress, MaxVolumes: cfg.MaxVolumesPerNode}
 		if err := n.Validate(); err != nil {
 			return nil, fmt.Errorf("the node role needs --node-id and --zone: %w", err)
 		}
+		d.nodeKey = n.Name
 		d.nodeID = n.String()
 		if cfg.StateDir == "" {
 			return nil, fmt.Errorf("the node role needs --state-dir")

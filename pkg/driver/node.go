@@ -56,7 +56,7 @@ func (s *nodeServer) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi
 		MaxVolumesPerNode: s.d.cfg.MaxVolumesPerNode,
 		AccessibleTopology: &csi.Topology{Segments: map[string]string{
 			TopologyZoneKey: s.d.cfg.Zone,
-			TopologyNodeKey: s.d.cfg.NodeName,
+			TopologyNodeKey: s.d.nodeKey,
 		}},
 	}, nil
 }

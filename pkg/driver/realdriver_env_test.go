@@ -49,6 +49,7 @@ type env struct {
 	pool     string
 	stateDir string
 	maxVols  int64
+	nodeName string           // the node role's --node-id (testNode unless set)
 	metrics  *metrics.Metrics // nil: metrics off
 	// mountTable is what the driver reads mounts from; the zero value is
 	// the kernel's.
@@ -73,6 +74,7 @@ func newEnv(t *testing.T, maxVolumes int64, opts ...func(*env)) *env {
 		pool:     filepath.Join(root, "pool-"+testZone),
 		stateDir: filepath.Join(root, "state"),
 		maxVols:  maxVolumes,
+		nodeName: testNode,
 	}
 	for _, o := range opts {
 		o(e)
@@ -114,7 +116,7 @@ func (e *env) start(t *testing.T) {
 	d, err := driver.New(driver.Config{
 		Version:           "test",
 		Roles:             []driver.Role{driver.RoleController, driver.RoleNode},
-		NodeName:          testNode,
+		NodeName:          e.nodeName,
 		Zone:              testZone,
 		StateDir:          e.stateDir,
 		MaxVolumesPerNode: e.maxVols,

@@ -42,6 +42,12 @@ func FuzzParse(f *testing.F) {
 		"worker@zone-a\n",
 		"worker 1@zone-a",
 		"@",
+		"worker@zone-a@10.0.0.1@64",
+		"worker@zone-a@@64",
+		"worker@zone-a@@064",
+		"worker@zone-a@@+64",
+		"worker@zone-a@@0",
+		"worker@zone-a@@",
 	} {
 		f.Add(s)
 	}
@@ -77,6 +83,12 @@ func FuzzParse(f *testing.F) {
 				t.Fatalf("Parse(%q) accepted the address %q", s, n.Address)
 			}
 		}
+		if n.MaxVolumes < 0 {
+			t.Fatalf("Parse(%q) accepted the negative limit %d", s, n.MaxVolumes)
+		}
+		if KeyOf(s) != n.Name {
+			t.Fatalf("KeyOf(%q) = %q, Parse says the key is %q", s, KeyOf(s), n.Name)
+		}
 	})
 }
 
@@ -85,15 +97,18 @@ func FuzzParse(f *testing.F) {
 // controller cannot read; a Node it refuses never renders to a valid id of
 // itself.
 func FuzzStringParse(f *testing.F) {
-	f.Add("worker-1", "zone-a", "")
-	f.Add("worker-1", "zone-a", "10.99.0.11")
-	f.Add("w@x", "z", "")
-	f.Add("w", "z@10.0.0.1", "")
-	f.Add("w", "z", "10.0.0.1@x")
-	f.Add("w", "z", "2001:DB8::1")
-	f.Add("w", "z", "fe80::1%lo")
-	f.Fuzz(func(t *testing.T, name, zone, address string) {
-		n := Node{Name: name, Zone: zone, Address: address}
+	f.Add("worker-1", "zone-a", "", int64(0))
+	f.Add("worker-1", "zone-a", "10.99.0.11", int64(0))
+	f.Add("worker-1", "zone-a", "10.99.0.11", int64(64))
+	f.Add("worker-1", "zone-a", "", int64(64))
+	f.Add("worker-1", "zone-a", "", int64(-1))
+	f.Add("w@x", "z", "", int64(0))
+	f.Add("w", "z@10.0.0.1", "", int64(0))
+	f.Add("w", "z", "10.0.0.1@x", int64(0))
+	f.Add("w", "z", "2001:DB8::1", int64(0))
+	f.Add("w", "z", "fe80::1%lo", int64(0))
+	f.Fuzz(func(t *testing.T, name, zone, address string, limit int64) {
+		n := Node{Name: name, Zone: zone, Address: address, MaxVolumes: limit}
 		got, err := Parse(n.String())
 		if n.Validate() != nil {
 			if err == nil && got == n {

@@ -15,6 +15,8 @@ func TestParseStringRoundTrip(t *testing.T) {
 		{"n@z@2001:db8::1", Node{Name: "n", Zone: "z", Address: "2001:db8::1"}},
 		{"Node_1.example@eu-west-1b", Node{Name: "Node_1.example", Zone: "eu-west-1b"}},
 		{strings.Repeat("a", 63) + "@" + strings.Repeat("b", 63), Node{Name: strings.Repeat("a", 63), Zone: strings.Repeat("b", 63)}},
+		{"worker-1@zone-a@10.99.0.11@64", Node{Name: "worker-1", Zone: "zone-a", Address: "10.99.0.11", MaxVolumes: 64}},
+		{"worker-1@zone-a@@1", Node{Name: "worker-1", Zone: "zone-a", MaxVolumes: 1}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.in, func(t *testing.T) {
@@ -51,7 +53,15 @@ func TestParseRefusesHostileIDs(t *testing.T) {
 		{"empty address", "worker-1@zone-a@"},
 		{"empty zone with address", "worker-1@@10.0.0.1"},
 		{"only separators", "@@"},
-		{"too many @", "worker-1@zone-a@10.0.0.1@x"},
+		{"limit not a number", "worker-1@zone-a@10.0.0.1@x"},
+		{"too many @", "worker-1@zone-a@10.0.0.1@64@x"},
+		{"empty limit", "worker-1@zone-a@10.0.0.1@"},
+		{"empty address and limit", "worker-1@zone-a@@"},
+		{"zero limit", "worker-1@zone-a@@0"},
+		{"negative limit", "worker-1@zone-a@@-1"},
+		{"signed limit", "worker-1@zone-a@@+4"},
+		{"leading zero limit", "worker-1@zone-a@@04"},
+		{"limit overflows", "worker-1@zone-a@@9223372036854775808"},
 		{"four empty parts", "@@@"},
 		{"slash in name", "../etc@zone-a"},
 		{"slash in zone", "worker-1@zone/a"},
@@ -106,6 +116,85 @@ func TestValidateNode(t *testing.T) {
 		err := tt.n.Validate()
 		if (err == nil) != tt.ok {
 			t.Errorf("Validate(%+v) = %v, want ok=%t", tt.n, err, tt.ok)
+		}
+	}
+}
+
+func TestKey(t *testing.T) {
+	long := strings.Repeat("node-", 50) + "x" // 251 characters, a DNS subdomain
+	tests := []struct {
+		name string
+		want string // "" for: a hashed key
+	}{
+		{"worker-1", "worker-1"},
+		{"Node_1.example", "Node_1.example"},
+		{strings.Repeat("a", 63), strings.Repeat("a", 63)},
+		{strings.Repeat("a", 64), ""},
+		{"ip-10-0-0-1." + strings.Repeat("compute.", 7) + "internal", ""},
+		{long, ""},
+	}
+	seen := map[string]string{}
+	for _, tt := range tests {
+		if !ValidName(tt.name) {
+			t.Fatalf("ValidName(%q) = false", tt.name)
+		}
+		k := Key(tt.name)
+		if tt.want != "" && k != tt.want {
+			t.Errorf("Key(%q) = %q, want %q", tt.name, k, tt.want)
+		}
+		if !ValidKey(k) || len(k) > 63 {
+			t.Errorf("Key(%q) = %q, not a label value", tt.name, k)
+		}
+		if Key(tt.name) != k {
+			t.Errorf("Key(%q) is not stable", tt.name)
+		}
+		if other, dup := seen[k]; dup {
+			t.Errorf("Key(%q) = Key(%q) = %q", tt.name, other, k)
+		}
+		seen[k] = tt.name
+		n := Node{Name: k, Zone: "zone-a", Address: "10.0.0.1", MaxVolumes: 128}
+		id := n.String()
+		if got, err := Parse(id); err != nil || got != n {
+			t.Errorf("Parse(%q) = %+v, %v", id, got, err)
+		}
+		// Kubernetes keeps a CSI node id of at most 192 bytes.
+		if len(id) > 192 {
+			t.Errorf("node id %q is %d bytes long", id, len(id))
+		}
+	}
+	// Two long names that share their first 63 characters get two keys.
+	a, b := strings.Repeat("a", 70)+".one", strings.Repeat("a", 70)+".two"
+	if Key(a) == Key(b) {
+		t.Errorf("Key(%q) = Key(%q)", a, b)
+	}
+}
+
+func TestValidName(t *testing.T) {
+	for _, n := range []string{"w", "worker-1", "Worker_1", strings.Repeat("a", 63) + "." + strings.Repeat("b", 63) + "." + strings.Repeat("c", 63) + "." + strings.Repeat("d", 61)} {
+		if !ValidName(n) {
+			t.Errorf("ValidName(%q) = false", n)
+		}
+	}
+	for _, n := range []string{"", "-w", "w-", "a..b." + strings.Repeat("x", 70), strings.Repeat("a", 64) + "_b",
+		strings.Repeat("a", 63) + "." + strings.Repeat("b", 63) + "." + strings.Repeat("c", 63) + "." + strings.Repeat("d", 62),
+		"w@z", "w/x" + strings.Repeat("y", 70), strings.Repeat("A", 64), strings.Repeat("a", 64) + ".", "."} {
+		if ValidName(n) {
+			t.Errorf("ValidName(%q) = true", n)
+		}
+	}
+}
+
+func TestKeyOf(t *testing.T) {
+	for in, want := range map[string]string{
+		"worker-1@zone-a":                "worker-1",
+		"worker-1@zone-a@10.0.0.1@64":    "worker-1",
+		"worker-1":                       "worker-1",
+		"":                               "",
+		"@zone-a":                        "",
+		"some-node-id-from-a-test@x@y@z": "some-node-id-from-a-test",
+	} {
+		if got := KeyOf(in); got != want {
+			t.Errorf("KeyOf(%q) = %q, want %q", in, got, want)
 		}
 	}
 }

@@ -315,9 +315,12 @@ func mountOptions(fsType string, readOnly bool, mountFlags []string) []string {
 	return opts
 }
 
+// attachmentOf finds this node's attachment by its key: the controller
+// records the id the node had when it was attached, and the node may have
+// restarted under a new address since.
 func attachmentOf(attachments []accessmode.Attachment, nodeID string) (accessmode.Attachment, bool) {
 	for _, a := range attachments {
-		if a.NodeID == nodeID {
+		if a.Node() == accessmode.NodeKey(nodeID) {
 			return a, true
 		}
 	}

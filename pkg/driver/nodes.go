@@ -1,0 +1,198 @@
+package driver
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/nodeid"
+	"github.com/modeguard/modeguard/pkg/volumeid"
+)
+
+// The controller knows a node by its key (nodeid.Node.Name); the rest of
+// its id (zone, address, volume limit) are attributes the node reports
+// anew whenever its plugin starts. Every attach and detach of a node runs
+// under that node's lock, so that counting its volumes against its limit
+// and moving its attachments to a new address see one consistent picture.
+
+// nodeLocks serializes the calls that change one node's attachments. A call
+// waits for the node (attaches of different volumes to one node are
+// ordinary and short) but gives up with its context.
+type nodeLocks struct {
+	mu   sync.Mutex
+	held map[string]*nodeLock
+}
+
+type nodeLock struct {
+	sem   chan struct{}
+	users int // holders and waiters; the entry goes when it drops to 0
+}
+
+func newNodeLocks() *nodeLocks { return &nodeLocks{held: map[string]*nodeLock{}} }
+
+// lock takes the node's lock, waiting at most as long as ctx allows.
+func (l *nodeLocks) lock(ctx context.Context, key string) (func(), error) {
+	l.mu.Lock()
+	nl, ok := l.held[key]
+	if !ok {
+		nl = &nodeLock{sem: make(chan struct{}, 1)}
+		l.held[key] = nl
+	}
+	nl.users++
+	l.mu.Unlock()
+	done := func() {
+		l.mu.Lock()
+		nl.users--
+		if nl.users == 0 {
+			delete(l.held, key)
+		}
+		l.mu.Unlock()
+	}
+	select {
+	case nl.sem <- struct{}{}:
+		return func() { <-nl.sem; done() }, nil
+	case <-ctx.Done():
+		done()
+		return nil, status.Errorf(codes.Aborted, "waiting for another call on node %s: %v; retry later", key, ctx.Err())
+	}
+}
+
+// heldBy lists the volumes node key holds, read after its lock was taken.
+func (d *Driver) heldBy(ctx context.Context, key string) ([]*backend.Volume, error) {
+	all, err := d.allVolumes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var out []*backend.Volume
+	for _, v := range all {
+		if slices.ContainsFunc(v.Attachments, func(a accessmode.Attachment) bool { return a.Node() == key }) {
+			out = append(out, v)
+		}
+	}
+	return out, nil
+}
+
+// checkNodeZone refuses a node id whose zone differs from the zone the
+// node held its volumes in: a node does not move between zones, and a
+// zonal volume must not follow a node that claims to have.
+func checkNodeZone(node nodeid.Node, held []*backend.Volume) error {
+	var inOther []string
+	was := ""
+	for _, v := range held {
+		for _, a := range v.Attachments {
+			if a.Node() != node.Name {
+				continue
+			}
+			old, err := nodeid.Parse(a.NodeID)
+			if err != nil || old.Zone == node.Zone {
+				continue
+			}
+			was = old.Zone
+			inOther = append(inOther, v.ID)
+		}
+	}
+	if len(inOther) == 0 {
+		return nil
+	}
+	return status.Errorf(codes.FailedPrecondition,
+		"node %s now reports zone %s but holds %s as a node of zone %s; a node does not change zones: restart its plugin with --zone=%s, or unpublish those volumes from it first",
+		node.Name, node.Zone, strings.Join(inOther, ", "), was, was)
+}
+
+// followNode records node's newest id in every attachment it holds that
+// still carries an older one, so that for NFS the export's client list
+// moves from the old address to the new one (the old address loses its
+// access in the same step). current is the volume whose lock the caller
+// holds; every other volume's lock is tried, and a busy one makes the call
+// ABORTED for the CO to retry, since waiting for it under the node's lock
+// could deadlock with a call holding that volume and waiting for the node.
+// It returns current as it is afterwards (nil if the node holds none).
+func (d *Driver) followNode(ctx context.Context, node nodeid.Node, held []*backend.Volume, current string) (*backend.Volume, error) {
+	id := node.String()
+	var after *backend.Volume
+	for _, v := range held {
+		stale := slices.ContainsFunc(v.Attachments, func(a accessmode.Attachment) bool {
+			return a.Node() == node.Name && a.NodeID != id
+		})
+		if !stale {
+			if v.ID == current {
+				after = v
+			}
+			continue
+		}
+		vid, ctrl, err := d.controllerOfVolume(v.ID)
+		if err != nil {
+			return nil, err
+		}
+		if v.ID != current {
+			release, err := d.locks.acquire(v.ID)
+			if err != nil {
+				return nil, status.Errorf(codes.Aborted,
+					"node %s reports a new id %s, and volume %s it holds is busy, so its attachment cannot follow yet; retry later", node.Name, id, v.ID)
+			}
+			defer release()
+			// Read again under the lock: the list was read before it.
+			if v, err = ctrl.Volume(ctx, vid); err != nil {
+				if status.Code(err) == codes.NotFound {
+					continue
+				}
+				return nil, err
+			}
+		}
+		atts := slices.Clone(v.Attachments)
+		var from []string
+		for i, a := range atts {
+			if a.Node() == node.Name && a.NodeID != id {
+				from = append(from, a.NodeID)
+				atts[i].NodeID = id
+			}
+		}
+		if len(from) == 0 {
+			continue
+		}
+		updated, err := ctrl.SetAttachments(ctx, vid, atts)
+		if err != nil {
+			return nil, fmt.Errorf("moving the attachment of volume %s from %s to node id %s: %w", v.ID, strings.Join(from, ", "), id, err)
+		}
+		klog.InfoS("A node's attachment follows its new id", "volumeID", v.ID, "node", node.Name, "from", from, "to", id)
+		if v.ID == current {
+			after = updated
+		}
+	}
+	return after, nil
+}
+
+// controllerOfVolume parses a recorded volume id and finds its backend.
+func (d *Driver) controllerOfVolume(raw string) (volumeid.ID, backend.Controller, error) {
+	id, err := volumeid.ParseKind(raw, volumeid.Volume)
+	if err != nil {
+		return volumeid.ID{}, nil, status.Errorf(codes.Internal, "a recorded volume id %q does not parse: %v", raw, err)
+	}
+	ctrl, err := d.controllerFor(id)
+	if err != nil {
+		return volumeid.ID{}, nil, err
+	}
+	return id, ctrl, nil
+}
+
+// checkNodeLimit refuses one more volume on a node that already holds as
+// many as it reported it can (the limit in its id, which is what its
+// NodeGetInfo reports too): loop devices and mounts per node are finite,
+// and a CO that ignores NodeGetInfo's limit must still be stopped. The
+// caller holds the node's lock, so concurrent attaches cannot both pass.
+func checkNodeLimit(node nodeid.Node, held []*backend.Volume) error {
+	if node.MaxVolumes <= 0 || int64(len(held)) < node.MaxVolumes {
+		return nil
+	}
+	return status.Errorf(codes.ResourceExhausted,
+		"node %s already holds %d volumes, the limit it reports (--max-volumes-per-node on that node); unpublish one first",
+		node.Name, len(held))
+}
