@@ -213,7 +213,9 @@ func TestNFSNodeComesBackUnderANewAddress(t *testing.T) {
 		VolumeId: shared.GetVolumeId(), NodeId: node2, VolumeCapability: nfsCapability(accessmode.MultiNodeMultiWriter), Readonly: true}); err != nil {
 		t.Fatal(err)
 	}
-	url := func(vol *csi.Volume, file string) string { return net.NFSURL(vol.GetVolumeContext()[nfs.ContextShare], file) }
+	url := func(vol *csi.Volume, file string) string {
+		return net.NFSURL(vol.GetVolumeContext()[nfs.ContextShare], file)
+	}
 	if err := n1.NFSCopy(ctx, payload, url(rwo, "before")); err != nil {
 		t.Fatalf("node-1 writing at its first address: %v", err)
 	}
