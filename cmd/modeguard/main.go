@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -21,6 +22,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
+	"github.com/modeguard/modeguard/pkg/controllerlock"
 	"github.com/modeguard/modeguard/pkg/driver"
 	"github.com/modeguard/modeguard/pkg/metrics"
 	"github.com/modeguard/modeguard/pkg/registration"
@@ -112,12 +114,12 @@ func parseFlags(args []string) (*options, error) {
 		"where to serve CSI: unix:///path/to/socket or tcp://host:port")
 	fs.StringVar(&o.roles, "roles", "controller,node",
 		"services to serve besides Identity: controller, node, or controller,node")
-	fs.StringVar(&o.nodeID, "node-id", "", "this node's name (node role), reported as "+driver.TopologyNodeKey+"; the CSI node id is <node-id>@<zone>[@<node-address>]")
+	fs.StringVar(&o.nodeID, "node-id", "", "this node's name (node role; a Kubernetes node name, up to 253 characters), reported as "+driver.TopologyNodeKey+" (a stable 63-character form of a longer name); the CSI node id is <name>@<zone>[@<node-address>[@<max-volumes-per-node>]]")
 	fs.StringVar(&o.zone, "zone", "", "this node's topology zone (node role), reported as "+driver.TopologyZoneKey)
 	fs.StringVar(&o.nodeAddress, "node-address", "", "IP address this node mounts NFS exports from (node role, optional)")
 	fs.StringVar(&o.stateDir, "state-dir", "/var/lib/modeguard", "directory for this node plugin's lock files and stage records")
 	fs.StringVar(&o.driverName, "driver-name", driver.DefaultDriverName, "CSI driver name")
-	fs.Int64Var(&o.maxVolumes, "max-volumes-per-node", 128, "volumes this node may hold at once, reported in NodeGetInfo (0: no limit)")
+	fs.Int64Var(&o.maxVolumes, "max-volumes-per-node", 128, "node: volumes this node may hold at once, reported in NodeGetInfo and in its node id; the controller refuses an attach beyond it (0: no limit)")
 	fs.Var(o.pools, "block-pool", "ZONE=DIR: a block pool this process may place or find volumes in (repeatable)")
 	fs.StringVar(&o.nfs.ExportRoot, "nfs-export-root", "",
 		"controller: enables the NFS backend; where volume data lives on the server (a prjquota xfs mount point, or a directory where the driver keeps and mounts a pool image)")
@@ -177,14 +179,20 @@ func run(o *options) error {
 	if err != nil {
 		return err
 	}
+	isController := slices.Contains(roles, driver.RoleController)
 	cfg := driver.Config{
 		DriverName: o.driverName, Version: version, Roles: roles,
 		NodeName: o.nodeID, Zone: o.zone, NodeAddress: o.nodeAddress, StateDir: o.stateDir,
 		MaxVolumesPerNode: o.maxVolumes,
 		// Tests of a reboot name a file of their own to change the boot id.
-		BootIDFile:  os.Getenv("MODEGUARD_BOOT_ID_FILE"),
-		Controllers: map[accessmode.Backend]backend.Controller{},
-		Nodes:       map[accessmode.Backend]backend.Node{},
+		BootIDFile: os.Getenv("MODEGUARD_BOOT_ID_FILE"),
+		Nodes:      map[accessmode.Backend]backend.Node{},
+		// The controller's backends read their directories only once
+		// this process holds the controller lock on them.
+		ControllersLater: isController,
+	}
+	if isController && len(o.pools) == 0 && o.nfs.ExportRoot == "" {
+		return fmt.Errorf("the controller role needs at least one backend (e.g. --block-pool ZONE=DIR)")
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
@@ -192,35 +200,14 @@ func run(o *options) error {
 		cfg.Metrics = metrics.New()
 		o.nfs.ControlFailed = cfg.Metrics.NFSControlFailed
 	}
-	for _, r := range roles {
-		switch {
-		case r == driver.RoleController && o.nfs.ExportRoot != "":
-			c, stopNFS, err := nfs.Setup(ctx, o.nfs)
+	if slices.Contains(roles, driver.RoleNode) {
+		cfg.Nodes[accessmode.BackendNFS] = nfs.NewNode(nil, nil)
+		if len(o.pools) > 0 {
+			n, err := block.NewNode(o.pools)
 			if err != nil {
-				return err
+				return fmt.Errorf("block pools: %w", err)
 			}
-			defer stopNFS()
-			cfg.Controllers[accessmode.BackendNFS] = c
-		case r == driver.RoleNode:
-			cfg.Nodes[accessmode.BackendNFS] = nfs.NewNode(nil, nil)
-		}
-	}
-	if len(o.pools) > 0 {
-		for _, r := range roles {
-			switch r {
-			case driver.RoleController:
-				c, err := block.NewController(o.pools)
-				if err != nil {
-					return fmt.Errorf("block pools: %w", err)
-				}
-				cfg.Controllers[accessmode.BackendBlock] = c
-			case driver.RoleNode:
-				n, err := block.NewNode(o.pools)
-				if err != nil {
-					return fmt.Errorf("block pools: %w", err)
-				}
-				cfg.Nodes[accessmode.BackendBlock] = n
-			}
+			cfg.Nodes[accessmode.BackendBlock] = n
 		}
 	}
 	d, err := driver.New(cfg)
@@ -241,6 +228,7 @@ func run(o *options) error {
 		}
 		stopRegistration, err := registration.Serve(o.kubeletRegistrationDir, o.driverName, path)
 		if err != nil {
+			lis.Close()
 			return err
 		}
 		defer stopRegistration()
@@ -262,6 +250,8 @@ func run(o *options) error {
 			}
 		}()
 	}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(lis) }()
 	go func() {
 		<-ctx.Done()
 		klog.InfoS("Stopping: waiting for calls in flight")
@@ -269,7 +259,85 @@ func run(o *options) error {
 	}()
 	klog.InfoS("Serving CSI", "driver", o.driverName, "version", version, "endpoint", o.endpoint,
 		"roles", o.roles, "nodeID", d.NodeID(), "pools", o.pools.String())
-	return srv.Serve(lis)
+	if isController {
+		// Until the backends are set, Probe answers not ready and
+		// Controller calls UNAVAILABLE; the deferred stops run before the
+		// lock's release, so the next controller finds everything stopped.
+		lock, err := lockControllerDirs(ctx, o, d)
+		if err != nil {
+			srv.Stop()
+			return err
+		}
+		defer lock.Release()
+		ctrls, stopControllers, err := setupControllers(ctx, o)
+		if err != nil {
+			srv.Stop()
+			return err
+		}
+		defer stopControllers()
+		if err := d.SetControllers(ctrls); err != nil {
+			srv.Stop()
+			return err
+		}
+		klog.InfoS("Controller ready", "backends", len(ctrls))
+	}
+	return <-served
+}
+
+// controllerDirs are the directories a controller keeps its state in: every
+// block pool, the NFS export root and the directory of the ganesha it runs.
+func controllerDirs(o *options) []string {
+	var dirs []string
+	for _, dir := range o.pools {
+		dirs = append(dirs, dir)
+	}
+	if o.nfs.ExportRoot != "" {
+		dirs = append(dirs, o.nfs.ExportRoot)
+		if o.nfs.GaneshaDBus == "" {
+			dirs = append(dirs, o.nfs.GaneshaDir)
+		}
+	}
+	return dirs
+}
+
+// lockControllerDirs takes the controller lock on every directory the
+// controller keeps state in, waiting (and saying so) while another
+// controller holds one.
+func lockControllerDirs(ctx context.Context, o *options, d *driver.Driver) (*controllerlock.Lock, error) {
+	lock, err := controllerlock.Acquire(ctx, controllerDirs(o), time.Second, time.Minute, func(b controllerlock.Busy) {
+		klog.InfoS("Waiting for another controller to stop: one controller acts on a pool at a time; Probe answers not ready meanwhile",
+			"dir", b.Dir, "holder", b.Holder)
+		d.WaitingFor(b.Error())
+	})
+	if err != nil {
+		return nil, err
+	}
+	d.WaitingFor("the controller's backends are being set up")
+	return lock, nil
+}
+
+// setupControllers opens the controller's backends; stop undoes what they
+// started (the NFS server).
+func setupControllers(ctx context.Context, o *options) (map[accessmode.Backend]backend.Controller, func(), error) {
+	ctrls := map[accessmode.Backend]backend.Controller{}
+	stop := func() {}
+	if o.nfs.ExportRoot != "" {
+		c, stopNFS, err := nfs.Setup(ctx, o.nfs)
+		if err != nil {
+			return nil, nil, err
+		}
+		ctrls[accessmode.BackendNFS] = c
+		stop = stopNFS
+	}
+	if len(o.pools) > 0 {
+		c, err := block.NewController(o.pools)
+		if err != nil {
+			stop()
+			return nil, nil, fmt.Errorf("block pools: %w", err)
+		}
+		ctrls[accessmode.BackendBlock] = c
+	}
+	return ctrls, stop, nil
 }
 
 func main() {

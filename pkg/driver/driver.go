@@ -11,6 +11,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"sync/atomic"
 
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
@@ -63,6 +64,11 @@ type Config struct {
 
 	// Controller role.
 	Controllers map[accessmode.Backend]backend.Controller
+	// ControllersLater says the controller role's backends come later, by
+	// SetControllers, once this process has the controller lock on their
+	// directories; until then Probe answers not ready and every
+	// Controller call UNAVAILABLE.
+	ControllersLater bool
 
 	// Metrics, when set, counts calls and refusals and reads this
 	// driver's volumes, pools and lock files at scrape time; nil is off.
@@ -79,6 +85,12 @@ type Driver struct {
 	nodeID  string
 	nodeKey string
 	state   *nodestate.Store
+
+	// controllersReady is set once cfg.Controllers is final; the store
+	// publishes the map to every call that loads true.
+	controllersReady atomic.Bool
+	// waitingFor is what a Controller call refused meanwhile is told.
+	waitingFor atomic.Pointer[string]
 }
 
 // New checks the configuration and prepares a driver.
@@ -90,7 +102,7 @@ func New(cfg Config) (*Driver, error) {
 		return nil, fmt.Errorf("no role given: serve controller, node, or both")
 	}
 	d := &Driver{cfg: cfg, locks: newOpLocks(), nodes: newNodeLocks()}
-	if d.HasRole(RoleController) && len(cfg.Controllers) == 0 {
+	if d.HasRole(RoleController) && len(cfg.Controllers) == 0 && !cfg.ControllersLater {
 		return nil, fmt.Errorf("the controller role needs at least one backend (e.g. --block-pool ZONE=DIR)")
 	}
 	if d.HasRole(RoleNode) {
@@ -127,18 +139,52 @@ func New(cfg Config) (*Driver, error) {
 		}
 		d.state = store
 	}
-	if cfg.Metrics != nil {
-		src := metrics.Sources{}
-		if d.HasRole(RoleController) {
-			src.Controllers = cfg.Controllers
-		}
-		if d.state != nil {
-			src.NodeID, src.Holders = d.nodeID, d.state
-		}
-		cfg.Metrics.SetSources(src)
+	if cfg.ControllersLater {
+		d.cfg.Controllers = nil
+		d.WaitingFor("the controller's backends are being set up")
+	} else {
+		d.controllersReady.Store(true)
 	}
+	d.setMetricSources()
 	return d, nil
 }
+
+func (d *Driver) setMetricSources() {
+	if d.cfg.Metrics == nil {
+		return
+	}
+	src := metrics.Sources{}
+	if d.HasRole(RoleController) && d.controllersReady.Load() {
+		src.Controllers = d.cfg.Controllers
+	}
+	if d.state != nil {
+		src.NodeID, src.Holders = d.nodeID, d.state
+	}
+	d.cfg.Metrics.SetSources(src)
+}
+
+// WaitingFor sets what Controller calls are told while the controller's
+// backends are not there yet (see Config.ControllersLater).
+func (d *Driver) WaitingFor(why string) { d.waitingFor.Store(&why) }
+
+// SetControllers hands the controller role its backends once they are set
+// up; from then on Probe answers ready and Controller calls are served.
+// It may be called once, and only with Config.ControllersLater.
+func (d *Driver) SetControllers(c map[accessmode.Backend]backend.Controller) error {
+	if !d.cfg.ControllersLater || d.controllersReady.Load() {
+		return fmt.Errorf("the controller's backends are set already")
+	}
+	if len(c) == 0 {
+		return fmt.Errorf("the controller role needs at least one backend (e.g. --block-pool ZONE=DIR)")
+	}
+	d.cfg.Controllers = c
+	d.controllersReady.Store(true)
+	d.setMetricSources()
+	return nil
+}
+
+// Ready reports whether every role this process serves can take calls.
+func (d *Driver) Ready() bool { return !d.HasRole(RoleController) || d.controllersReady.Load() }
 
 // refuse counts and logs a stage or publish the access-mode rules refused
 // and returns its error for the CO.

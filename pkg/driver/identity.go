@@ -20,8 +20,9 @@ func (s *identityServer) GetPluginCapabilities(context.Context, *csi.GetPluginCa
 	return &csi.GetPluginCapabilitiesResponse{Capabilities: s.d.pluginCapabilities()}, nil
 }
 
-// Probe answers ready once the process serves: every backend is set up
-// before the socket is opened.
+// Probe answers ready once every role can take calls: a controller that
+// waits for another controller's lock on its directories is not ready, so
+// sidecars wait for it instead of sending it calls.
 func (s *identityServer) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
-	return &csi.ProbeResponse{Ready: wrapperspb.Bool(true)}, nil
+	return &csi.ProbeResponse{Ready: wrapperspb.Bool(s.d.Ready())}, nil
 }

@@ -7,12 +7,14 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/kubernetes-csi/csi-lib-utils/protosanitizer"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 )
@@ -68,7 +70,7 @@ func Listen(endpoint string) (net.Listener, error) {
 
 // NewGRPCServer registers the services this driver's roles call for.
 func (d *Driver) NewGRPCServer() *grpc.Server {
-	interceptors := []grpc.UnaryServerInterceptor{logCalls}
+	interceptors := []grpc.UnaryServerInterceptor{logCalls, d.controllerGate}
 	if d.cfg.Metrics != nil {
 		// Outermost, so the duration covers everything the driver does.
 		interceptors = append([]grpc.UnaryServerInterceptor{d.cfg.Metrics.UnaryServerInterceptor()}, interceptors...)
@@ -82,6 +84,20 @@ func (d *Driver) NewGRPCServer() *grpc.Server {
 		csi.RegisterNodeServer(srv, &nodeServer{d: d})
 	}
 	return srv
+}
+
+// controllerGate answers every Controller call UNAVAILABLE (the CO retries)
+// until the controller's backends are there: the state they read is not
+// this process's to act on before it holds the controller lock.
+func (d *Driver) controllerGate(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	if strings.HasPrefix(info.FullMethod, "/csi.v1.Controller/") && !d.controllersReady.Load() {
+		why := "the controller is starting"
+		if w := d.waitingFor.Load(); w != nil {
+			why = *w
+		}
+		return nil, status.Errorf(codes.Unavailable, "not serving controller calls yet: %s", why)
+	}
+	return handler(ctx, req)
 }
 
 // logCalls logs every request and response with secrets stripped, so that

@@ -1,0 +1,144 @@
+package integration
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/test/testenv"
+)
+
+// TestOneControllerActsAtATime: a second controller on the same pool (a
+// replacement started while the old one still runs) waits for the first's
+// lock: it says so in its log, answers Probe not ready and every Controller
+// call UNAVAILABLE, so it cannot grant a second node a single-node volume
+// from a state it does not own. Once the first dies it takes over, with
+// the attachments the first made.
+func TestOneControllerActsAtATime(t *testing.T) {
+	testenv.RequireRoot(t)
+	bin := testenv.BuildBinary(t)
+	work := t.TempDir()
+	pool := filepath.Join(work, "pool")
+	poolArg := "--block-pool=zone-a=" + pool
+	first := &crashProc{t: t, name: "first controller", bin: bin, socket: filepath.Join(work, "c1.sock"), log: filepath.Join(work, "c1.log"),
+		args: []string{"--roles", "controller", poolArg, "-v", "2"}}
+	first.start()
+	t.Cleanup(first.stop)
+	cc1 := csi.NewControllerClient(first.conn)
+	ctx := context.Background()
+	c := capability(accessmode.SingleNodeWriter, "ext4")
+	vol, err := cc1.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "one-owner", CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20},
+		VolumeCapabilities: []*csi.VolumeCapability{c}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := vol.GetVolume().GetVolumeId()
+	if _, err := cc1.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-1@zone-a", VolumeCapability: c}); err != nil {
+		t.Fatal(err)
+	}
+
+	// The second one, started by hand: it must not become ready.
+	log2 := filepath.Join(work, "c2.log")
+	logf, err := os.Create(log2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock2 := filepath.Join(work, "c2.sock")
+	second := exec.Command(bin, "--endpoint", "unix://"+sock2, "--roles", "controller", poolArg, "-v", "2")
+	second.Stdout, second.Stderr = logf, logf
+	if err := second.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { _ = second.Wait(); logf.Close(); close(done) }()
+	t.Cleanup(func() {
+		_ = second.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-done:
+		case <-time.After(20 * time.Second):
+			_ = second.Process.Kill()
+			<-done
+		}
+		if t.Failed() {
+			t.Logf("first controller log:\n%s\nsecond controller log:\n%s", testenv.ReadFile(first.log), testenv.ReadFile(log2))
+		}
+	})
+	conn, err := grpc.NewClient("unix://"+sock2, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	probe := func() (bool, error) {
+		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		resp, err := csi.NewIdentityClient(conn).Probe(pctx, &csi.ProbeRequest{})
+		return resp.GetReady().GetValue(), err
+	}
+	// Wait until it serves and has logged that it waits.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, err := probe()
+		if err == nil && strings.Contains(testenv.ReadFile(log2), "Waiting for another controller") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the second controller neither served nor said it waits: %v", err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if !strings.Contains(testenv.ReadFile(log2), "pid "+strconv.Itoa(first.cmd.Process.Pid)) {
+		t.Errorf("the second controller's log does not name the first (pid %d) as the holder", first.cmd.Process.Pid)
+	}
+	cc2 := csi.NewControllerClient(conn)
+	for i := 0; i < 3; i++ {
+		if ready, err := probe(); err != nil || ready {
+			t.Fatalf("Probe of the waiting controller = ready %t, %v; want not ready", ready, err)
+		}
+		_, err := cc2.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-2@zone-a", VolumeCapability: c})
+		if status.Code(err) != codes.Unavailable || !strings.Contains(status.Convert(err).Message(), "locked by another controller") {
+			t.Fatalf("publish through the waiting controller: %v, want UNAVAILABLE saying another controller holds the lock", err)
+		}
+		if _, err := cc2.ListVolumes(ctx, &csi.ListVolumesRequest{}); status.Code(err) != codes.Unavailable {
+			t.Fatalf("ListVolumes through the waiting controller: %v, want UNAVAILABLE", err)
+		}
+		time.Sleep(300 * time.Millisecond)
+	}
+
+	// The first dies (SIGKILL: no chance to clean up); the kernel drops its
+	// locks and the second takes over.
+	_ = first.cmd.Process.Kill()
+	<-first.done
+	deadline = time.Now().Add(30 * time.Second)
+	for {
+		if ready, err := probe(); err == nil && ready {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the second controller did not become ready after the first died")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	_, err = cc2.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-2@zone-a", VolumeCapability: c})
+	if status.Code(err) != codes.FailedPrecondition {
+		t.Errorf("publish to a second node through the controller that took over: %v, want FAILED_PRECONDITION (node-1 holds it)", err)
+	}
+	if _, err := cc2.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-1@zone-a"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cc2.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+		t.Fatal(err)
+	}
+}
