@@ -21,7 +21,6 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
 	"github.com/modeguard/modeguard/pkg/faultpoint"
-	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/test/testenv"
 	"github.com/modeguard/modeguard/test/vm/vmtest"
 )
@@ -77,10 +76,7 @@ func (e *env) vm(name string) *vmtest.VM {
 	return nil
 }
 
-func (e *env) nodeID(name string) string {
-	v := e.vm(name)
-	return nodeid.Node{Name: v.Name, Zone: "zone-a", Address: v.Addr.String()}.String()
-}
+func (e *env) nodeID(name string) string { return e.vm(name).NodeID() }
 
 func capability(mode accessmode.Mode) *csi.VolumeCapability {
 	return &csi.VolumeCapability{

@@ -1,8 +1,6 @@
 package vmtest
 
 import (
-	"github.com/modeguard/modeguard/test/vm/agentapi"
-
 	"bytes"
 	"context"
 	"encoding/json"
@@ -13,8 +11,12 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
+
+	"github.com/modeguard/modeguard/pkg/nodeid"
+	"github.com/modeguard/modeguard/test/vm/agentapi"
 )
 
 // call posts req to the agent's path and decodes its answer into resp. Its
@@ -51,9 +53,31 @@ func (v *VM) NodeEndpoint() string {
 	return netip.AddrPortFrom(v.Addr, pluginPort).String()
 }
 
-// NodeID is the CSI node id the plugin StartPlugin starts reports:
-// "<Name>@zone-a@<Addr>".
-func (v *VM) NodeID() string { return v.Name + "@zone-a@" + v.Addr.String() }
+// NodeID is the CSI node id the plugin StartPlugin last started reports:
+// "<Name>@zone-a@<Addr>@<limit>", the limit being its
+// --max-volumes-per-node (128 unless the extra arguments say otherwise).
+func (v *VM) NodeID() string {
+	return nodeid.Node{Name: v.Name, Zone: "zone-a", Address: v.Addr.String(), MaxVolumes: v.maxVolumes}.String()
+}
+
+// pluginMaxVolumes is the --max-volumes-per-node the arguments give the
+// plugin (the last one wins, as with the flag package), 128 by default.
+func pluginMaxVolumes(args []string) int64 {
+	limit := int64(128)
+	for i, a := range args {
+		val, ok := "", false
+		switch {
+		case (a == "--max-volumes-per-node" || a == "-max-volumes-per-node") && i+1 < len(args):
+			val, ok = args[i+1], true
+		case strings.HasPrefix(a, "--max-volumes-per-node="):
+			val, ok = strings.TrimPrefix(a, "--max-volumes-per-node="), true
+		}
+		if n, err := strconv.ParseInt(val, 10, 64); ok && err == nil {
+			limit = n
+		}
+	}
+	return limit
+}
 
 // Path is a path on the VM-local tmpfs (not 9p), e.g. for staging and target
 // paths: mount points must be on VM-local storage. The directory exists on
@@ -91,6 +115,7 @@ func (v *VM) StartPluginEnv(ctx context.Context, env []string, extra ...string) 
 		"--node-id", v.Name, "--zone", "zone-a", "--node-address", v.Addr.String(),
 		"--state-dir", v.Path("state"), "-v", "2"}
 	args = append(args, extra...)
+	v.maxVolumes = pluginMaxVolumes(args)
 	var resp agentapi.PluginResponse
 	err := v.call(ctx, agentapi.PathPluginStart, agentapi.PluginRequest{
 		Path: v.c.opts.Binary, Args: args, Log: v.pluginLogPath(),

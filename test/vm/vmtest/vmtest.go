@@ -106,6 +106,8 @@ type VM struct {
 	waitErr error
 	// consoleShown: a boot failure already reported the console.
 	consoleShown bool
+	// maxVolumes is the limit the last started plugin reports (NodeID).
+	maxVolumes int64
 }
 
 var safePath = regexp.MustCompile(`^/[A-Za-z0-9/._-]+$`)

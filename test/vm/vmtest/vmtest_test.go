@@ -158,7 +158,7 @@ func TestVMKernelNFSMount(t *testing.T) {
 	if err != nil {
 		t.Fatalf("NodeGetInfo through the VM: %v", err)
 	}
-	nodeID := "vm1@zone-a@" + vm1.Addr.String()
+	nodeID := "vm1@zone-a@" + vm1.Addr.String() + "@128"
 	if info.GetNodeId() != nodeID || vm1.NodeID() != nodeID {
 		t.Fatalf("vm1's node id is %q (VM.NodeID %q), want %q", info.GetNodeId(), vm1.NodeID(), nodeID)
 	}
