@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/controllerlock"
 	"github.com/modeguard/modeguard/pkg/driver"
 	"github.com/modeguard/modeguard/pkg/localcluster"
 	"github.com/modeguard/modeguard/pkg/volumeid"
@@ -1042,7 +1043,10 @@ func mustCSI(t *testing.T, what string, f func(ctx context.Context) error) {
 func filesUnder(dir string) []string {
 	var files []string
 	_ = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
-		if err == nil && !d.IsDir() {
+		// The controller lock stays with the pool, as its directories do:
+		// removing a lock file that another process may have open would
+		// let two processes hold "the" lock on two different files.
+		if err == nil && !d.IsDir() && !(d.Name() == controllerlock.FileName && filepath.Dir(p) == dir) {
 			rel, _ := filepath.Rel(dir, p)
 			files = append(files, rel)
 		}
