@@ -25,15 +25,20 @@ const CacheDir = "/var/tmp/modeguard-vm"
 
 // bootModules are the modules init loads, with their dependencies loaded
 // first (worked out from each module's .modinfo when the image is built).
-var bootModules = []string{"virtio_pci", "virtio_net", "9pnet_virtio", "9p", "nfsv4"}
+// virtio_blk and ext4 serve a node disk (Options.NodeDiskMB; ext4 asks the
+// crypto API for crc32c at mount, a soft dependency), loop the
+// block backend's volumes.
+var bootModules = []string{"virtio_pci", "virtio_net", "9pnet_virtio", "9p", "nfsv4", "virtio_blk", "crc32c_generic", "ext4", "loop"}
 
 // initScript is /init of the initramfs: busybox sh, run as PID 1. It stays
 // PID 1 while the agent runs (busybox sh reaps orphans while it waits) and
 // powers the VM off when the agent exits. Everything that differs between
 // VMs comes from the kernel command line, whose unknown name=value words the
 // kernel hands to init as environment variables: mgname (the VM's name),
-// mgaddr (its address/prefix on the bridge) and mgwork (the cluster's work
-// directory on the host, which holds the agent and <mgname>/local).
+// mgaddr (its address/prefix on the bridge), mgwork (the cluster's work
+// directory on the host, which holds the agent and <mgname>/local) and
+// mgdisk (1: <mgname>/local is the ext4 node disk /dev/vda, kept across a
+// reboot, not a tmpfs).
 const initScript = `#!/bin/busybox sh
 /bin/busybox --install -s /bin
 export PATH=/bin
@@ -62,7 +67,17 @@ mount -t tmpfs -o mode=1777 shm /host/dev/shm
 # The host's /run must not see what runs here (e.g. libmount's utab).
 mount -t tmpfs -o mode=0755 run /host/run
 local="$mgwork/$mgname/local"
-mount -t tmpfs -o mode=0755 local "/host$local" || say "no tmpfs at $local"
+if [ "$mgdisk" = 1 ]; then
+	n=0
+	while [ ! -b /dev/vda ] && [ $n -lt 50 ]; do sleep 0.1; n=$((n+1)); done
+	if ! mount -t ext4 /dev/vda "/host$local"; then
+		say "mounting the node disk failed"
+		poweroff -f
+	fi
+	say "node disk mounted"
+else
+	mount -t tmpfs -o mode=0755 local "/host$local" || say "no tmpfs at $local"
+fi
 mkdir -p "/host$local/tmp"
 chmod 1777 "/host$local/tmp"
 say "starting the agent"

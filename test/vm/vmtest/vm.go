@@ -79,8 +79,9 @@ func pluginMaxVolumes(args []string) int64 {
 	return limit
 }
 
-// Path is a path on the VM-local tmpfs (not 9p), e.g. for staging and target
-// paths: mount points must be on VM-local storage. The directory exists on
+// Path is a path on the VM-local tmpfs, or node disk (Options.NodeDiskMB),
+// not 9p, e.g. for staging and target paths: mount points must be on
+// VM-local storage. The directory exists on
 // the host too (empty there), so the path is valid on both sides.
 func (v *VM) Path(elem ...string) string {
 	return filepath.Join(append([]string{v.local}, elem...)...)

@@ -72,6 +72,11 @@ type Options struct {
 	Prefix   string // netns name prefix, default "mgv"
 	Binary   string // path of the modeguard binary to run as node plugin inside the VMs (host path; visible in the VM through 9p)
 	MemoryMB int    // per VM, default 512
+	// NodeDiskMB, when set, gives each VM a disk of its own of that size
+	// (ext4, a sparse file in its directory) in place of the tmpfs at
+	// Path(): what the node keeps there (plugin state, staging and target
+	// paths) survives Reboot, as a node's disk survives a reboot.
+	NodeDiskMB int
 }
 
 // Cluster is a server namespace with a bridge and VMs attached to it.
@@ -83,6 +88,7 @@ type Cluster struct {
 
 	tb      testing.TB
 	opts    Options
+	img     image
 	nsName  string
 	nsMade  bool
 	taps    []string
@@ -99,7 +105,7 @@ type VM struct {
 	c       *Cluster
 	tap     string
 	dir     string // WorkDir/<Name>: console and plugin logs
-	local   string // WorkDir/<Name>/local: a tmpfs inside the VM
+	local   string // WorkDir/<Name>/local: a tmpfs inside the VM, or its node disk
 	console string
 	cmd     *exec.Cmd
 	done    chan struct{} // closed when qemu has exited
@@ -183,6 +189,7 @@ func Start(t testing.TB, opts Options) *Cluster {
 		WorkDir: work,
 		tb:      t,
 		opts:    opts,
+		img:     img,
 		nsName:  fmt.Sprintf("%s-srv-%08x", opts.Prefix, rand.Uint32()),
 	}
 	c.ServerNS = "/run/netns/" + c.nsName
@@ -208,6 +215,11 @@ func Start(t testing.TB, opts Options) *Cluster {
 		v.console = filepath.Join(v.dir, "console.log")
 		if err := os.MkdirAll(v.local, 0o755); err != nil {
 			t.Fatalf("vmtest: %v", err)
+		}
+		if opts.NodeDiskMB > 0 {
+			if err := makeNodeDisk(v.diskPath(), opts.NodeDiskMB); err != nil {
+				t.Fatalf("vmtest: %v", err)
+			}
 		}
 		c.VMs = append(c.VMs, v)
 	}
@@ -241,19 +253,78 @@ func Start(t testing.TB, opts Options) *Cluster {
 	for i, v := range c.VMs {
 		t.Logf("vmtest: %s (%s) up in %s", v.Name, v.Addr, took[i].Round(time.Millisecond))
 	}
-	// The NFSv4 client names itself to the server by the host name, and
-	// every VM boots as "(none)": the server would take the VMs for one
-	// client, each mount replacing the other's state (opens and locks).
-	// Named after the VM, as real nodes have names of their own.
 	for _, v := range c.VMs {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		out, code, err := v.Run(ctx, "hostname", v.Name)
-		cancel()
-		if err != nil || code != 0 {
-			t.Fatalf("vmtest: naming %s: exit %d, %v: %s", v.Name, code, err, out)
+		if err := v.setHostname(); err != nil {
+			t.Fatalf("vmtest: %v", err)
 		}
 	}
 	return c
+}
+
+// setHostname names the VM after itself. The NFSv4 client names itself to
+// the server by the host name, and every VM boots as "(none)": the server
+// would take the VMs for one client, each mount replacing the other's state
+// (opens and locks). Named after the VM, as real nodes have names of their
+// own.
+func (v *VM) setHostname() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	out, code, err := v.Run(ctx, "hostname", v.Name)
+	if err != nil || code != 0 {
+		return fmt.Errorf("naming %s: exit %d, %v: %s", v.Name, code, err, out)
+	}
+	return nil
+}
+
+func (v *VM) diskPath() string { return filepath.Join(v.dir, "disk.img") }
+
+// makeNodeDisk makes a sparse file of mb MiB holding an empty ext4.
+func makeNodeDisk(path string, mb int) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	err = f.Truncate(int64(mb) << 20)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return err
+	}
+	if out, err := exec.Command("mkfs.ext4", "-q", "-F", path).CombinedOutput(); err != nil {
+		return fmt.Errorf("mkfs.ext4 %s: %v: %s", path, err, out)
+	}
+	return nil
+}
+
+// Reboot cuts the VM's power (SIGKILL to its qemu, by PID: nothing in the
+// guest gets to flush or unmount) and boots it again with the same name,
+// address and node disk, returning once its agent answers. Everything the
+// kernel held is gone, mounts and loop devices included; what the node
+// wrote to its disk (Options.NodeDiskMB) stays. The node plugin is not
+// started again: that is StartPlugin's, as it is the kubelet's.
+func (v *VM) Reboot(ctx context.Context) error {
+	if v.cmd == nil {
+		return fmt.Errorf("%s: not running", v.Name)
+	}
+	_ = v.cmd.Process.Signal(syscall.SIGKILL)
+	select {
+	case <-v.done:
+	case <-ctx.Done():
+		return fmt.Errorf("%s: qemu (pid %d) survives SIGKILL: %w", v.Name, v.cmd.Process.Pid, ctx.Err())
+	}
+	// Keep the console of the first boot for a failure's report.
+	if err := os.Rename(v.console, v.console+".before-reboot"); err != nil && !os.IsNotExist(err) {
+		return err
+	}
+	v.c.client.CloseIdleConnections()
+	if err := v.boot(v.c.img); err != nil {
+		return err
+	}
+	if err := v.waitAgent(time.Now()); err != nil {
+		return err
+	}
+	return v.setHostname()
 }
 
 // buildAgent builds test/vm/agent, static, at dst.
@@ -379,11 +450,15 @@ func (v *VM) boot(img image) error {
 		"-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "1", "-m", strconv.Itoa(c.opts.MemoryMB),
 		"-nographic", "-nodefaults", "-no-user-config", "-no-reboot",
 		"-kernel", img.Kernel, "-initrd", img.Initrd,
-		"-append", fmt.Sprintf("console=ttyS0 quiet panic=-1 mgname=%s mgaddr=%s/24 mgwork=%s", v.Name, v.Addr, c.WorkDir),
+		"-append", fmt.Sprintf("console=ttyS0 quiet panic=-1 mgname=%s mgaddr=%s/24 mgwork=%s mgdisk=%d", v.Name, v.Addr, c.WorkDir, min(c.opts.NodeDiskMB, 1)),
 		"-serial", "file:" + v.console,
 		"-virtfs", "local,path=/,mount_tag=hostroot,security_model=passthrough,id=hostroot,multidevs=remap",
 		"-netdev", "tap,id=net0,ifname=" + v.tap + ",script=no,downscript=no",
 		"-device", fmt.Sprintf("virtio-net-pci,netdev=net0,romfile=,mac=52:54:00:%02x:%02x:%02x", a[1], a[2], a[3]),
+	}
+	if c.opts.NodeDiskMB > 0 {
+		args = append(args, "-drive", "file="+v.diskPath()+",format=raw,if=none,id=disk0",
+			"-device", "virtio-blk-pci,drive=disk0,romfile=")
 	}
 	logFile, err := os.Create(filepath.Join(v.dir, "qemu.log"))
 	if err != nil {
