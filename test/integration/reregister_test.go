@@ -142,18 +142,8 @@ func TestNFSNodeComesBackUnderANewAddress(t *testing.T) {
 	work := t.TempDir()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	gdir := filepath.Join(work, "ganesha")
-	ctrl := testenv.NewController(t, bin, net.Server.Path, work, "--roles", "controller", "-v", "2",
-		"--nfs-export-root", filepath.Join(work, "nfs"), "--nfs-pool-size", "1Gi",
-		"--nfs-server", net.Server.Addr.String(), "--nfs-ganesha-dir", gdir)
-	ctrl.Start(ctx)
-	t.Cleanup(func() {
-		ctrl.Stop()
-		testenv.CleanupUnder(t, work)
-		if t.Failed() {
-			t.Logf("controller log:\n%s", testenv.ReadFile(ctrl.Log))
-		}
-	})
+	ctrl := testenv.StartNFSController(ctx, t, bin, net.Server.Path, net.Server.Addr.String(), "--nfs-pool-size", "1Gi")
+	gdir := ctrl.GaneshaDir
 	// clients asks ganesha over its bus which clients the volume's export has.
 	clients := func(volID string) []string {
 		t.Helper()
