@@ -349,8 +349,22 @@ func (s *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 		}
 		return &csi.NodeUnstageVolumeResponse{}, nil
 	case rec.Staged.StagingPath != path:
-		return nil, status.Errorf(codes.NotFound,
-			"volume %s is staged at %s, not at %s", id, rec.Staged.StagingPath, path)
+		// The spec: NOT_FOUND means the volume does not exist; a volume
+		// not staged at this path is unstaged from it already. The
+		// recorded stage elsewhere stays; a mount of this volume the
+		// kernel still holds at this path (a record that forgot it) goes,
+		// but never a workload's: that is NodeUnpublishVolume's.
+		if _, held := rec.Holder(path); held {
+			return nil, status.Errorf(codes.FailedPrecondition,
+				"%s is where volume %s is published to a workload, not a staging path (it is staged at %s); unpublish it there",
+				path, id, rec.Staged.StagingPath)
+		}
+		if err := s.unstageUnrecorded(ctx, id, nb, path); err != nil {
+			return nil, err
+		}
+		klog.V(2).InfoS("Unstage at a path the volume is not staged at; its stage stays", "volumeID", id,
+			"stagingPath", path, "stagedAt", rec.Staged.StagingPath)
+		return &csi.NodeUnstageVolumeResponse{}, nil
 	}
 	if pruned, _, err := nodestate.DropUnmounted(rec, s.d.isMounted); err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
