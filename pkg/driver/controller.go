@@ -1008,9 +1008,14 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 	if err != nil {
 		return nil, err
 	}
-	size, err := sizeFor(req.GetCapacityRange(), vol.FsType, vol.CapacityBytes)
-	if err != nil {
-		return nil, err
+	// A range that requires nothing asks for no growth: the default size
+	// sizeFor fills in is for new volumes, and would grow a 16 MiB volume
+	// to DefaultVolumeSize.
+	size := vol.CapacityBytes
+	if r := req.GetCapacityRange(); r.GetRequiredBytes() != 0 || r.GetLimitBytes() < 0 {
+		if size, err = sizeFor(r, vol.FsType, vol.CapacityBytes); err != nil {
+			return nil, err
+		}
 	}
 	if r := req.GetCapacityRange(); r.GetLimitBytes() > 0 && vol.CapacityBytes > r.GetLimitBytes() {
 		return nil, status.Errorf(codes.OutOfRange,
