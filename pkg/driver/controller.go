@@ -414,9 +414,14 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	}
 	defer release()
 
-	if existing, err := s.findByKey(ctx, ctrl, key); err != nil {
+	if existing, err := s.findByKeyAnywhere(ctx, key); err != nil {
 		return nil, err
 	} else if existing != nil {
+		if !strings.HasPrefix(existing.ID, string(ctrl.Backend())+":") {
+			return nil, status.Errorf(codes.AlreadyExists,
+				"a volume named %q exists already in another backend (%s); this request would make a %s volume; delete it first or choose another name",
+				req.GetName(), existing.ID, ctrl.Backend())
+		}
 		if err := compatible(existing, req, caps, src); err != nil {
 			return nil, err
 		}
@@ -474,6 +479,18 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	}
 	return nil, status.Errorf(codes.ResourceExhausted,
 		"no allowed pool can hold %d bytes: %s", size, strings.Join(tried, "; "))
+}
+
+// findByKeyAnywhere looks for a volume with this key in every backend: a
+// name names one volume, whichever backend the request would choose.
+func (s *controllerServer) findByKeyAnywhere(ctx context.Context, key string) (*backend.Volume, error) {
+	for _, b := range slices.Sorted(maps.Keys(s.d.cfg.Controllers)) {
+		vol, err := s.findByKey(ctx, s.d.cfg.Controllers[b], key)
+		if err != nil || vol != nil {
+			return vol, err
+		}
+	}
+	return nil, nil
 }
 
 // findByKey looks for a volume with this key in any zone of the backend.
@@ -984,7 +1001,9 @@ func (s *controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacity
 	return &csi.GetCapacityResponse{
 		AvailableCapacity: total,
 		MaximumVolumeSize: wrapInt64(largest),
-		MinimumVolumeSize: wrapInt64(minimumSize[caps.fsType]),
+		// What CreateVolume would make at the least: the filesystem's
+		// minimum and the backend's (NFS image storage: 300 MiB).
+		MinimumVolumeSize: wrapInt64(max(minimumSize[caps.fsType], ctrl.MinimumSize())),
 	}, nil
 }
 

@@ -1,0 +1,76 @@
+package driver_test
+
+import (
+	"os"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+)
+
+// TestUnstageAtAnotherPath: the spec keeps NOT_FOUND for a volume that does
+// not exist; an unstage at a path the volume is not staged at is done
+// already (OK), leaves the real stage alone, and never takes a workload's
+// mount for a stage.
+func TestUnstageAtAnotherPath(t *testing.T) {
+	e := newEnv(t, 0)
+	c := mountCap(accessmode.SingleNodeWriter)
+	volID, staging, pc := e.setup(t, "unstage-elsewhere", c)
+	target := e.targetPath("unstage-elsewhere")
+	if err := e.publish(t, volID, staging, target, c, pc, false); err != nil {
+		t.Fatal(err)
+	}
+	other := e.stagingPath("never-staged-here")
+	if err := os.MkdirAll(other, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.node.NodeUnstageVolume(ctx(t), &csi.NodeUnstageVolumeRequest{VolumeId: volID, StagingTargetPath: other}); err != nil {
+		t.Errorf("NodeUnstageVolume at a path the volume is not staged at: %v, want OK", err)
+	}
+	if mountsAt(t, staging) != 1 || mountsAt(t, target) != 1 {
+		t.Errorf("the unstage elsewhere touched the stage (%d mounts) or the publish (%d)", mountsAt(t, staging), mountsAt(t, target))
+	}
+	_, err := e.node.NodeUnstageVolume(ctx(t), &csi.NodeUnstageVolumeRequest{VolumeId: volID, StagingTargetPath: target})
+	wantCode(t, "NodeUnstageVolume at the workload's target path", err, codes.FailedPrecondition)
+	if mountsAt(t, target) != 1 {
+		t.Errorf("an unstage at the target path unmounted the workload's volume")
+	}
+}
+
+// TestExpandGrowsOnlyToWhatIsAsked: a capacity range that requires nothing,
+// or only sets a limit, leaves the volume as it is; a required size grows
+// it to that size (rounded to MiB), never to the default size of new
+// volumes; a limit below the volume's size is OUT_OF_RANGE (no shrinking).
+func TestExpandGrowsOnlyToWhatIsAsked(t *testing.T) {
+	e := newEnv(t, 0)
+	volID := e.createVolume(t, "expand-asked", blockCap(accessmode.SingleNodeWriter))
+	expand := func(r *csi.CapacityRange) (int64, error) {
+		resp, err := e.ctrl.ControllerExpandVolume(ctx(t), &csi.ControllerExpandVolumeRequest{VolumeId: volID, CapacityRange: r})
+		return resp.GetCapacityBytes(), err
+	}
+	for _, tt := range []struct {
+		name string
+		r    *csi.CapacityRange
+		want int64
+		code codes.Code
+	}{
+		{"empty range", &csi.CapacityRange{}, volumeSize, codes.OK},
+		{"only a limit above", &csi.CapacityRange{LimitBytes: 4 * volumeSize}, volumeSize, codes.OK},
+		{"only a limit below", &csi.CapacityRange{LimitBytes: volumeSize / 2}, 0, codes.OutOfRange},
+		{"negative limit", &csi.CapacityRange{LimitBytes: -1}, 0, codes.InvalidArgument},
+		{"required below the size", &csi.CapacityRange{RequiredBytes: volumeSize / 2}, volumeSize, codes.OK},
+		{"required above", &csi.CapacityRange{RequiredBytes: 2*volumeSize + 1}, 2*volumeSize + mib, codes.OK},
+	} {
+		got, err := expand(tt.r)
+		wantCode(t, tt.name, err, tt.code)
+		if tt.code == codes.OK && got != tt.want {
+			t.Errorf("%s: capacity %d, want %d", tt.name, got, tt.want)
+		}
+	}
+	// And the image really has the size reported, nothing more.
+	if got, err := expand(&csi.CapacityRange{}); err != nil || got != 2*volumeSize+mib {
+		t.Errorf("capacity after the expansions: %d, %v; want %d", got, err, 2*volumeSize+mib)
+	}
+}
