@@ -7,7 +7,6 @@ import (
 	"net/netip"
 	"os"
 	"regexp"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -140,7 +139,9 @@ func mountOptions(flags []string, port int, readOnly bool, server, client string
 	if client != "" && !set["clientaddr"] {
 		opts = append(opts, "clientaddr="+client)
 	}
-	if readOnly && !slices.Contains(opts, "ro") {
+	// Last, always: mount(8) reads options left to right, and a CO flag
+	// such as "defaults" after the CO's own "ro" would make it read/write.
+	if readOnly {
 		opts = append(opts, "ro")
 	}
 	return opts
@@ -153,6 +154,14 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 	src, port, err := source(req.VolumeContext)
 	if err != nil {
 		return nil, err
+	}
+	// The export is the volume's own: a volume context naming another
+	// volume's share would mount that volume under this one's id, past
+	// the access-mode rules (and the records) of both.
+	if share := req.VolumeContext[ContextShare]; share != pseudo(req.VolumeID) {
+		return nil, status.Errorf(codes.InvalidArgument,
+			"volume context %s=%q is not the export of volume %s (%s); the volume context must come from this driver's CreateVolume for this volume",
+			ContextShare, share, req.VolumeID, pseudo(req.VolumeID))
 	}
 	staged := &backend.Staged{
 		VolumeID: req.VolumeID.String(), StagingPath: req.StagingPath, AccessType: accessmode.Mount,

@@ -33,7 +33,10 @@ func stageRequest(t *testing.T, volCtx map[string]string, flags []string, readOn
 	}
 }
 
-var goodContext = map[string]string{ContextServer: "10.99.0.1", ContextShare: "/nfs__vol-abab", ContextPort: "2049"}
+// goodShare is the export of the volume stageRequest stages.
+var goodShare = "/nfs__vol-" + strings.Repeat("ab", 16)
+
+var goodContext = map[string]string{ContextServer: "10.99.0.1", ContextShare: goodShare, ContextPort: "2049"}
 
 // fakeTable is the mount table of a fake mounter: what it "mounted".
 type fakeTable struct{ fake *mount.FakeMounter }
@@ -59,24 +62,29 @@ func TestStageWithFakeKernelMount(t *testing.T) {
 		source   string
 		want     []string // options that must be there
 		notWant  []string
+		last     string // the option that must come last, if any
 		code     codes.Code
 	}{
-		{name: "defaults", volCtx: goodContext, source: "10.99.0.1:/nfs__vol-abab",
+		{name: "defaults", volCtx: goodContext, source: "10.99.0.1:" + goodShare,
 			want:    []string{"vers=4.2", "proto=tcp", "hard", "timeo=600", "retrans=2", "addr=10.99.0.1", "clientaddr=10.0.0.11"},
 			notWant: []string{"ro", "port=2049"}},
-		{name: "CO sets clientaddr", volCtx: goodContext, flags: []string{"clientaddr=10.0.0.99"}, source: "10.99.0.1:/nfs__vol-abab",
+		{name: "CO sets clientaddr", volCtx: goodContext, flags: []string{"clientaddr=10.0.0.99"}, source: "10.99.0.1:" + goodShare,
 			want: []string{"clientaddr=10.0.0.99"}, notWant: []string{"clientaddr=10.0.0.11"}},
-		{name: "CO flags override a default", volCtx: goodContext, flags: []string{"vers=4.1", "noatime"}, source: "10.99.0.1:/nfs__vol-abab",
+		{name: "CO flags override a default", volCtx: goodContext, flags: []string{"vers=4.1", "noatime"}, source: "10.99.0.1:" + goodShare,
 			want: []string{"vers=4.1", "noatime", "hard"}, notWant: []string{"vers=4.2"}},
-		{name: "nfsvers counts as vers", volCtx: goodContext, flags: []string{"nfsvers=4.0"}, source: "10.99.0.1:/nfs__vol-abab",
+		{name: "nfsvers counts as vers", volCtx: goodContext, flags: []string{"nfsvers=4.0"}, source: "10.99.0.1:" + goodShare,
 			want: []string{"nfsvers=4.0"}, notWant: []string{"vers=4.2"}},
-		{name: "comma-joined flags", volCtx: goodContext, flags: []string{"soft,timeo=100"}, source: "10.99.0.1:/nfs__vol-abab",
+		{name: "comma-joined flags", volCtx: goodContext, flags: []string{"soft,timeo=100"}, source: "10.99.0.1:" + goodShare,
 			want: []string{"soft", "timeo=100"}, notWant: []string{"timeo=600"}},
-		{name: "read-only wins over rw", volCtx: goodContext, flags: []string{"rw"}, readOnly: true, source: "10.99.0.1:/nfs__vol-abab",
+		{name: "read-only wins over rw", volCtx: goodContext, flags: []string{"rw"}, readOnly: true, source: "10.99.0.1:" + goodShare,
 			want: []string{"ro"}, notWant: []string{"rw"}},
-		{name: "other port", volCtx: map[string]string{ContextServer: "10.99.0.1", ContextShare: "/v", ContextPort: "20490"},
-			source: "10.99.0.1:/v", want: []string{"port=20490"}},
-		{name: "IPv6 server", volCtx: map[string]string{ContextServer: "fd00::1", ContextShare: "/v"}, source: "[fd00::1]:/v"},
+		{name: "read-only last after a flag that means rw", volCtx: goodContext, flags: []string{"ro", "defaults"}, readOnly: true,
+			source: "10.99.0.1:" + goodShare, last: "ro"},
+		{name: "other port", volCtx: map[string]string{ContextServer: "10.99.0.1", ContextShare: goodShare, ContextPort: "20490"},
+			source: "10.99.0.1:" + goodShare, want: []string{"port=20490"}},
+		{name: "IPv6 server", volCtx: map[string]string{ContextServer: "fd00::1", ContextShare: goodShare}, source: "[fd00::1]:" + goodShare},
+		{name: "another volume's share", volCtx: map[string]string{ContextServer: "10.99.0.1", ContextShare: "/nfs__vol-" + strings.Repeat("cd", 16)}, code: codes.InvalidArgument},
+		{name: "the export root", volCtx: map[string]string{ContextServer: "10.99.0.1", ContextShare: "/"}, code: codes.InvalidArgument},
 		{name: "server is a name", volCtx: map[string]string{ContextServer: "nfs.example", ContextShare: "/v"}, code: codes.InvalidArgument},
 		{name: "server injects options", volCtx: map[string]string{ContextServer: "10.0.0.1,vers=3", ContextShare: "/v"}, code: codes.InvalidArgument},
 		{name: "share escapes", volCtx: map[string]string{ContextServer: "10.0.0.1", ContextShare: "/../etc"}, code: codes.InvalidArgument},
@@ -118,6 +126,9 @@ func TestStageWithFakeKernelMount(t *testing.T) {
 					t.Errorf("options %v have %q", mp.Opts, o)
 				}
 			}
+			if tt.last != "" && mp.Opts[len(mp.Opts)-1] != tt.last {
+				t.Errorf("options %v do not end in %q", mp.Opts, tt.last)
+			}
 			if staged.ReadOnly != tt.readOnly {
 				t.Errorf("staged read-only %v, want %v", staged.ReadOnly, tt.readOnly)
 			}
@@ -152,7 +163,7 @@ func TestStageRetryAndUnstageWithFakeKernelMount(t *testing.T) {
 		t.Fatalf("a retried stage mounted again: %v", fake.MountPoints)
 	}
 	other := req
-	other.VolumeContext = map[string]string{ContextServer: "10.99.0.2", ContextShare: "/other"}
+	other.VolumeContext = map[string]string{ContextServer: "10.99.0.2", ContextShare: goodShare}
 	if _, err := n.Stage(context.Background(), other); status.Code(err) != codes.AlreadyExists {
 		t.Fatalf("staging another export over a mounted staging path: got %v, want AlreadyExists", err)
 	}
