@@ -47,6 +47,11 @@ type Snapshot struct {
 	SourceVolumeID string    `json:"sourceVolumeID"`
 	SizeBytes      int64     `json:"sizeBytes"`
 	CreatedAt      time.Time `json:"createdAt"`
+	// AccessType and FsType are the source volume's: a restore must be of
+	// the same kind (a raw device cannot become a filesystem, nor an ext4
+	// an xfs). Empty in records made before they were kept.
+	AccessType accessmode.AccessType `json:"accessType,omitempty"`
+	FsType     string                `json:"fsType,omitempty"`
 }
 
 // VolumeSpec is a volume to create. ID is already derived from the name and

@@ -342,32 +342,110 @@ func contentSource(src *csi.VolumeContentSource) (*backend.Source, error) {
 	return nil, status.Error(codes.InvalidArgument, "content source must be a snapshot or a volume")
 }
 
-// sourceSize finds the content source and returns its size, so the new
-// volume can be made at least that big.
-func (s *controllerServer) sourceSize(ctx context.Context, src *backend.Source) (int64, error) {
+// sourceFacts is what a new volume takes from its content source: at least
+// its size, and its kind (empty when a record made before snapshots kept
+// it does not say).
+type sourceFacts struct {
+	size       int64
+	accessType accessmode.AccessType
+	fsType     string
+}
+
+// sourceOf finds the content source and what the new volume must match.
+func (s *controllerServer) sourceOf(ctx context.Context, src *backend.Source) (sourceFacts, error) {
 	if src == nil {
-		return 0, nil
+		return sourceFacts{}, nil
 	}
 	if src.SnapshotID != "" {
 		id, err := volumeid.ParseKind(src.SnapshotID, volumeid.Snapshot)
 		if err != nil {
-			return 0, status.Errorf(codes.NotFound, "content source snapshot %q does not exist: %v", src.SnapshotID, err)
+			return sourceFacts{}, status.Errorf(codes.NotFound, "content source snapshot %q does not exist: %v", src.SnapshotID, err)
 		}
 		ctrl, err := s.d.controllerFor(id)
 		if err != nil {
-			return 0, err
+			return sourceFacts{}, err
 		}
 		snap, err := ctrl.Snapshot(ctx, id)
 		if err != nil {
-			return 0, err
+			return sourceFacts{}, err
 		}
-		return snap.SizeBytes, nil
+		return sourceFacts{size: snap.SizeBytes, accessType: snap.AccessType, fsType: snap.FsType}, nil
 	}
 	_, _, vol, err := s.d.lookupVolume(ctx, src.VolumeID)
 	if err != nil {
-		return 0, err
+		return sourceFacts{}, err
 	}
-	return vol.CapacityBytes, nil
+	return sourceFacts{size: vol.CapacityBytes, accessType: vol.AccessType, fsType: vol.FsType}, nil
+}
+
+// checkRestore refuses a new volume of another kind than its content
+// source: a raw device's bytes are no filesystem (and the reverse), and a
+// filesystem keeps its type. fsType is what the request named ("" for
+// nothing); it returns the filesystem the volume gets.
+func checkRestore(src *backend.Source, facts sourceFacts, accessType accessmode.AccessType, fsType string) (string, error) {
+	if src == nil || facts.accessType == "" {
+		return fsType, nil
+	}
+	what := "snapshot " + src.SnapshotID
+	if src.VolumeID != "" {
+		what = "volume " + src.VolumeID
+	}
+	if facts.accessType != accessType {
+		return "", status.Errorf(codes.InvalidArgument,
+			"content source %s holds a %s volume; it can only be restored with access type %s, not %s",
+			what, describeKind(facts), facts.accessType, accessType)
+	}
+	if fsType != "" && facts.fsType != "" && fsType != facts.fsType {
+		return "", status.Errorf(codes.InvalidArgument,
+			"content source %s holds a %s filesystem; a restore keeps it, so the requested filesystem %s is refused", what, facts.fsType, fsType)
+	}
+	if fsType == "" {
+		return facts.fsType, nil
+	}
+	return fsType, nil
+}
+
+// volumeFsType decides a new volume's filesystem: the capability's or the
+// class's (which must agree), else its content source's, else the default.
+// An NFS volume has none a CO could choose: the server's filesystem is the
+// server's business. sourceKnown is false when the source could not be
+// found (the caller decides what that means).
+func volumeFsType(b accessmode.Backend, caps capabilityRequest, params Params, src *backend.Source, source sourceFacts, sourceKnown bool) (string, error) {
+	fsType := caps.fsType
+	if b == accessmode.BackendNFS || caps.accessType != accessmode.Mount {
+		fsType = ""
+	} else {
+		if fsType == "" {
+			fsType = params.FsType
+		}
+		if params.FsType != "" && params.FsType != fsType {
+			return "", status.Errorf(codes.InvalidArgument,
+				"parameter fsType=%s disagrees with the capability's filesystem %s", params.FsType, fsType)
+		}
+	}
+	if sourceKnown {
+		restored, err := checkRestore(src, source, caps.accessType, fsType)
+		if err != nil {
+			return "", err
+		}
+		if b != accessmode.BackendNFS {
+			fsType = restored
+		}
+	}
+	if b != accessmode.BackendNFS && caps.accessType == accessmode.Mount && fsType == "" {
+		fsType = DefaultFsType
+	}
+	return fsType, nil
+}
+
+func describeKind(f sourceFacts) string {
+	if f.accessType == accessmode.Block {
+		return "raw block"
+	}
+	if f.fsType != "" {
+		return f.fsType + " filesystem"
+	}
+	return "filesystem"
 }
 
 func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
@@ -390,22 +468,15 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	if err != nil {
 		return nil, err
 	}
-	switch {
-	case ctrl.Backend() == accessmode.BackendNFS:
-		// The server's filesystem is the server's business: an NFS volume
-		// has no filesystem type a CO could choose.
-		caps.fsType = ""
-	case caps.accessType == accessmode.Mount:
-		if caps.fsType == "" {
-			caps.fsType = params.FsType
-		}
-		if params.FsType != "" && params.FsType != caps.fsType {
-			return nil, status.Errorf(codes.InvalidArgument,
-				"parameter fsType=%s disagrees with the capability's filesystem %s", params.FsType, caps.fsType)
-		}
-		if caps.fsType == "" {
-			caps.fsType = DefaultFsType
-		}
+	// A source that is gone is an error only for a volume not made yet:
+	// a retry of a create that succeeded before the source was deleted
+	// still finds its volume below.
+	source, sourceErr := s.sourceOf(ctx, src)
+	if sourceErr != nil && status.Code(sourceErr) != codes.NotFound {
+		return nil, sourceErr
+	}
+	if caps.fsType, err = volumeFsType(ctrl.Backend(), caps, params, src, source, sourceErr == nil); err != nil {
+		return nil, err
 	}
 	key := volumeid.KeyFor(s.d.cfg.DriverName, volumeid.Volume, req.GetName())
 	release, err := s.d.locks.acquire("volume name " + req.GetName())
@@ -428,11 +499,10 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 		return &csi.CreateVolumeResponse{Volume: csiVolume(existing)}, nil
 	}
 
-	minimum, err := s.sourceSize(ctx, src)
-	if err != nil {
-		return nil, err
+	if sourceErr != nil {
+		return nil, sourceErr
 	}
-	minimum = max(minimum, ctrl.MinimumSize())
+	minimum := max(source.size, ctrl.MinimumSize())
 	size, err := sizeFor(req.GetCapacityRange(), caps.fsType, minimum)
 	if err != nil {
 		return nil, err

@@ -74,3 +74,33 @@ func TestExpandGrowsOnlyToWhatIsAsked(t *testing.T) {
 		t.Errorf("capacity after the expansions: %d, %v; want %d", got, err, 2*volumeSize+mib)
 	}
 }
+
+// TestRestoreKeepsTheSourceKind: a snapshot records its source's kind, and
+// CreateVolume from it refuses another one (INVALID_ARGUMENT) rather than
+// handing a raw device's bytes out as a filesystem.
+func TestRestoreKeepsTheSourceKind(t *testing.T) {
+	e := newEnv(t, 0)
+	rawVol := e.createVolume(t, "raw-source", blockCap(accessmode.SingleNodeWriter))
+	snap, err := e.ctrl.CreateSnapshot(ctx(t), &csi.CreateSnapshotRequest{Name: "raw-snap", SourceVolumeId: rawVol})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		e.ctrl.DeleteSnapshot(ctx(t), &csi.DeleteSnapshotRequest{SnapshotId: snap.GetSnapshot().GetSnapshotId()})
+	})
+	from := &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+		Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snap.GetSnapshot().GetSnapshotId()}}}
+	_, err = e.ctrl.CreateVolume(ctx(t), &csi.CreateVolumeRequest{Name: "raw-as-fs",
+		CapacityRange:       &csi.CapacityRange{RequiredBytes: volumeSize},
+		VolumeCapabilities:  []*csi.VolumeCapability{mountCap(accessmode.SingleNodeWriter)},
+		VolumeContentSource: from})
+	wantCode(t, "a filesystem volume from a raw block snapshot", err, codes.InvalidArgument)
+	ok, err := e.ctrl.CreateVolume(ctx(t), &csi.CreateVolumeRequest{Name: "raw-as-raw",
+		CapacityRange:       &csi.CapacityRange{RequiredBytes: volumeSize},
+		VolumeCapabilities:  []*csi.VolumeCapability{blockCap(accessmode.SingleNodeWriter)},
+		VolumeContentSource: from})
+	if err != nil {
+		t.Fatalf("a raw block volume from a raw block snapshot: %v", err)
+	}
+	t.Cleanup(func() { e.ctrl.DeleteVolume(ctx(t), &csi.DeleteVolumeRequest{VolumeId: ok.GetVolume().GetVolumeId()}) })
+}

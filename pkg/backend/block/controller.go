@@ -718,6 +718,8 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 		SourceVolumeID: source.String(),
 		SizeBytes:      vol.CapacityBytes,
 		CreatedAt:      time.Now().UTC(),
+		AccessType:     vol.AccessType,
+		FsType:         vol.FsType,
 	}
 	if err := fsutil.WriteJSONAtomic(metaPath, snap); err != nil {
 		if rerr := fsutil.RemoveDurably(imagePath); rerr != nil {

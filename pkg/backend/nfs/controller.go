@@ -765,6 +765,7 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 	}
 	rec := &snapshotRecord{Snapshot: backend.Snapshot{
 		ID: id.String(), Name: name, SourceVolumeID: source.String(), SizeBytes: src.Volume.CapacityBytes, CreatedAt: time.Now().UTC(),
+		AccessType: src.Volume.AccessType, FsType: src.Volume.FsType,
 	}, ProjectID: project}
 	if err := fsutil.WriteJSONAtomic(c.snapshotMeta(id), rec); err != nil {
 		_ = c.cfg.Storage.Remove(ctx, c.snapshotRel(id), project)
