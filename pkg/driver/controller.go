@@ -232,7 +232,12 @@ func fsTypeOrRaw(fs string) string {
 // segments first (in order), then the other requisite segments, then, when
 // no requisite is given, every zone the backend has. A segment without a
 // zone key allows every zone.
-func candidateZones(req *csi.TopologyRequirement, available []string) ([]string, error) {
+//
+// A segment that names a node but no zone stands for that node's zone
+// (nodeZones: the zones of the nodes the controller knows, from their ids),
+// and for no zone when the node is unknown: a volume must never land in a
+// zone its node is not in. A segment with neither stands for every zone.
+func candidateZones(req *csi.TopologyRequirement, available []string, nodeZones map[string]string) ([]string, error) {
 	if req == nil || (len(req.GetRequisite()) == 0 && len(req.GetPreferred()) == 0) {
 		return available, nil
 	}
@@ -240,6 +245,12 @@ func candidateZones(req *csi.TopologyRequirement, available []string) ([]string,
 		var out []string
 		for _, t := range segs {
 			z, ok := t.GetSegments()[TopologyZoneKey]
+			if node, named := t.GetSegments()[TopologyNodeKey]; !ok && named {
+				if z, known := nodeZones[node]; known {
+					out = append(out, z)
+				}
+				continue
+			}
 			if !ok {
 				// Every zone, after (not instead of) the segments before it.
 				out = append(out, available...)
@@ -478,6 +489,10 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	if caps.fsType, err = volumeFsType(ctrl.Backend(), caps, params, src, source, sourceErr == nil); err != nil {
 		return nil, err
 	}
+	nodeZones, err := s.d.nodeZonesFor(ctx, req.GetAccessibilityRequirements())
+	if err != nil {
+		return nil, err
+	}
 	key := volumeid.KeyFor(s.d.cfg.DriverName, volumeid.Volume, req.GetName())
 	release, err := s.d.locks.acquire("volume name " + req.GetName())
 	if err != nil {
@@ -493,7 +508,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 				"a volume named %q exists already in another backend (%s); this request would make a %s volume; delete it first or choose another name",
 				req.GetName(), existing.ID, ctrl.Backend())
 		}
-		if err := compatible(existing, req, caps, src); err != nil {
+		if err := compatible(existing, req, caps, src, nodeZones); err != nil {
 			return nil, err
 		}
 		return &csi.CreateVolumeResponse{Volume: csiVolume(existing)}, nil
@@ -509,7 +524,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	}
 	zones := []string{""} // a backend reachable from every zone satisfies any topology
 	if len(ctrl.Zones()) > 0 {
-		if zones, err = candidateZones(req.GetAccessibilityRequirements(), ctrl.Zones()); err != nil {
+		if zones, err = candidateZones(req.GetAccessibilityRequirements(), ctrl.Zones(), nodeZones); err != nil {
 			return nil, err
 		}
 	}
@@ -585,7 +600,7 @@ func (s *controllerServer) findByKey(ctx context.Context, ctrl backend.Controlle
 
 // compatible decides whether a repeated CreateVolume names the volume that
 // already exists (OK) or a different one (ALREADY_EXISTS).
-func compatible(vol *backend.Volume, req *csi.CreateVolumeRequest, caps capabilityRequest, src *backend.Source) error {
+func compatible(vol *backend.Volume, req *csi.CreateVolumeRequest, caps capabilityRequest, src *backend.Source, nodeZones map[string]string) error {
 	var diffs []string
 	r := req.GetCapacityRange()
 	if vol.CapacityBytes < r.GetRequiredBytes() || (r.GetLimitBytes() > 0 && vol.CapacityBytes > r.GetLimitBytes()) {
@@ -612,7 +627,7 @@ func compatible(vol *backend.Volume, req *csi.CreateVolumeRequest, caps capabili
 	// A volume without a zone (NFS) is reachable from every zone, so any
 	// requisite topology holds it.
 	if reqTopo := req.GetAccessibilityRequirements(); vol.Zone != "" && reqTopo != nil && len(reqTopo.GetRequisite()) > 0 {
-		zones, err := candidateZones(&csi.TopologyRequirement{Requisite: reqTopo.GetRequisite()}, []string{vol.Zone})
+		zones, err := candidateZones(&csi.TopologyRequirement{Requisite: reqTopo.GetRequisite()}, []string{vol.Zone}, nodeZones)
 		if err == nil && len(zones) == 0 {
 			diffs = append(diffs, fmt.Sprintf("it lives in zone %s, outside the requisite topology", vol.Zone))
 		}

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
@@ -195,4 +196,33 @@ func checkNodeLimit(node nodeid.Node, held []*backend.Volume) error {
 	return status.Errorf(codes.ResourceExhausted,
 		"node %s already holds %d volumes, the limit it reports (--max-volumes-per-node on that node); unpublish one first",
 		node.Name, len(held))
+}
+
+// nodeZonesFor returns the zone of every node the controller knows (from
+// the ids its attachments were made with, the newest of each node), when
+// the topology names a node without its zone; nil otherwise, the usual
+// case (Kubernetes names both), so no volume list is read for it.
+func (d *Driver) nodeZonesFor(ctx context.Context, req *csi.TopologyRequirement) (map[string]string, error) {
+	needed := false
+	for _, t := range append(slices.Clone(req.GetRequisite()), req.GetPreferred()...) {
+		_, zone := t.GetSegments()[TopologyZoneKey]
+		_, node := t.GetSegments()[TopologyNodeKey]
+		needed = needed || (node && !zone)
+	}
+	if !needed {
+		return nil, nil
+	}
+	all, err := d.allVolumes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	zones := map[string]string{}
+	for _, v := range all {
+		for _, a := range v.Attachments {
+			if n, err := nodeid.Parse(a.NodeID); err == nil {
+				zones[n.Name] = n.Zone
+			}
+		}
+	}
+	return zones, nil
 }

@@ -140,8 +140,18 @@ func topoNode(zone, node string) *csi.Topology {
 	return &csi.Topology{Segments: map[string]string{TopologyZoneKey: zone, TopologyNodeKey: node}}
 }
 
+// topoNoZone names a node (known to be in zone-c, see TestCandidateZones)
+// without its zone.
 func topoNoZone() *csi.Topology {
 	return &csi.Topology{Segments: map[string]string{TopologyNodeKey: "worker-9"}}
+}
+
+func topoUnknownNode() *csi.Topology {
+	return &csi.Topology{Segments: map[string]string{TopologyNodeKey: "worker-unknown"}}
+}
+
+func topoNeither() *csi.Topology {
+	return &csi.Topology{Segments: map[string]string{"example.com/rack": "r1"}}
 }
 
 func TestCandidateZones(t *testing.T) {
@@ -182,19 +192,25 @@ func TestCandidateZones(t *testing.T) {
 		{name: "only zones without pools", req: &csi.TopologyRequirement{Requisite: []*csi.Topology{topo("zone-x")}}, available: all,
 			want: nil},
 		{name: "no pools at all", req: &csi.TopologyRequirement{Requisite: []*csi.Topology{topo("zone-a")}}, available: nil, want: nil},
-		{name: "requisite segment without zone allows all", req: &csi.TopologyRequirement{
+		{name: "requisite naming only a node: the node's zone", req: &csi.TopologyRequirement{
 			Requisite: []*csi.Topology{topoNoZone()},
+		}, available: all, want: []string{"zone-c"}},
+		{name: "requisite naming only an unknown node: no zone", req: &csi.TopologyRequirement{
+			Requisite: []*csi.Topology{topoUnknownNode()},
+		}, available: all, want: nil},
+		{name: "requisite segment with neither zone nor node allows all", req: &csi.TopologyRequirement{
+			Requisite: []*csi.Topology{topoNeither()},
 		}, available: all, want: all},
-		{name: "requisite segment without zone next to a zoned one", req: &csi.TopologyRequirement{
+		{name: "requisite node segment next to a zoned one", req: &csi.TopologyRequirement{
 			Requisite: []*csi.Topology{topo("zone-b"), topoNoZone()},
-		}, available: all, want: all, unordered: true},
+		}, available: all, want: []string{"zone-b", "zone-c"}},
 		{name: "preferred segment without zone keeps earlier preference", req: &csi.TopologyRequirement{
-			Preferred: []*csi.Topology{topo("zone-c"), topoNoZone()},
+			Preferred: []*csi.Topology{topo("zone-c"), topoNeither()},
 		}, available: all, want: []string{"zone-c", "zone-a", "zone-b"}},
-		{name: "preferred segment without zone within requisite", req: &csi.TopologyRequirement{
-			Requisite: []*csi.Topology{topo("zone-a"), topo("zone-b")},
-			Preferred: []*csi.Topology{topo("zone-b"), topoNoZone()},
-		}, available: all, want: []string{"zone-b", "zone-a"}},
+		{name: "preferred node segment within requisite", req: &csi.TopologyRequirement{
+			Requisite: []*csi.Topology{topo("zone-a"), topo("zone-c")},
+			Preferred: []*csi.Topology{topoNoZone()},
+		}, available: all, want: []string{"zone-c", "zone-a"}},
 		{name: "invalid requisite zone", req: &csi.TopologyRequirement{Requisite: []*csi.Topology{topo("../etc")}}, available: all,
 			code: codes.InvalidArgument},
 		{name: "empty requisite zone", req: &csi.TopologyRequirement{Requisite: []*csi.Topology{topo("")}}, available: all,
@@ -204,13 +220,13 @@ func TestCandidateZones(t *testing.T) {
 			Preferred: []*csi.Topology{topo("zone a")},
 		}, available: all, code: codes.InvalidArgument},
 		{name: "invalid zone after a segment without zone", req: &csi.TopologyRequirement{
-			Requisite: []*csi.Topology{topoNoZone(), topo("zone/x")},
+			Requisite: []*csi.Topology{topoNeither(), topo("zone/x")},
 		}, available: all, code: codes.InvalidArgument},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			avail := slices.Clone(tt.available)
-			got, err := candidateZones(tt.req, avail)
+			got, err := candidateZones(tt.req, avail, map[string]string{"worker-9": "zone-c"})
 			if !slices.Equal(avail, tt.available) {
 				t.Errorf("candidateZones changed its available argument to %v", avail)
 			}

@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/driver"
 )
 
 // TestUnstageAtAnotherPath: the spec keeps NOT_FOUND for a volume that does
@@ -103,4 +104,33 @@ func TestRestoreKeepsTheSourceKind(t *testing.T) {
 		t.Fatalf("a raw block volume from a raw block snapshot: %v", err)
 	}
 	t.Cleanup(func() { e.ctrl.DeleteVolume(ctx(t), &csi.DeleteVolumeRequest{VolumeId: ok.GetVolume().GetVolumeId()}) })
+}
+
+// TestTopologyNamingOnlyANode: a requisite topology that names a node but
+// not its zone places the volume in the zone the controller knows that
+// node in, and nowhere when it knows the node not at all.
+func TestTopologyNamingOnlyANode(t *testing.T) {
+	e := newEnv(t, 0)
+	c := mountCap(accessmode.SingleNodeWriter)
+	onlyNode := &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{driver.TopologyNodeKey: testNode}}}}
+	create := func(name string) (*csi.CreateVolumeResponse, error) {
+		return e.ctrl.CreateVolume(ctx(t), &csi.CreateVolumeRequest{Name: name,
+			CapacityRange:             &csi.CapacityRange{RequiredBytes: volumeSize},
+			VolumeCapabilities:        []*csi.VolumeCapability{c},
+			AccessibilityRequirements: onlyNode})
+	}
+	_, err := create("for-an-unknown-node")
+	wantCode(t, "a volume for a node the controller does not know", err, codes.ResourceExhausted)
+	// Once the node holds a volume, the controller knows its zone.
+	e.controllerPublish(t, e.createVolume(t, "makes-the-node-known", c), c)
+	resp, err := create("for-a-known-node")
+	if err != nil {
+		t.Fatalf("a volume for a known node: %v", err)
+	}
+	t.Cleanup(func() {
+		e.ctrl.DeleteVolume(ctx(t), &csi.DeleteVolumeRequest{VolumeId: resp.GetVolume().GetVolumeId()})
+	})
+	if top := resp.GetVolume().GetAccessibleTopology(); len(top) != 1 || top[0].GetSegments()[driver.TopologyZoneKey] != testZone {
+		t.Errorf("the volume's topology is %v, want the node's zone %s", top, testZone)
+	}
 }
