@@ -15,6 +15,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -65,6 +66,16 @@ type cluster struct {
 	cfg   *rest.Config
 	ns    string
 	build string // the _build directory of hack/local-cluster: pools, exports
+	// failure is the message the test failed with, logged again after the
+	// state dump so that the tail of a long log still says what went wrong.
+	failure string
+}
+
+// fatalf fails the test like t.Fatalf and remembers why.
+func (c *cluster) fatalf(format string, args ...any) {
+	c.t.Helper()
+	c.failure = fmt.Sprintf(format, args...)
+	c.t.Fatal(c.failure)
 }
 
 // setup connects to the cluster named by MODEGUARD_E2E_KUBECONFIG, or skips.
@@ -145,21 +156,73 @@ func (c *cluster) teardown() {
 	}
 }
 
-// dumpState logs what a failed test leaves behind: pods, their events, and
-// the volume attachments.
+// dumpState logs what a failed test leaves behind, most telling last (a CI
+// log may show only its tail): the namespace's events in time order, the
+// volume attachments of its volumes, its pods with what keeps each from
+// being ready, and the failure again.
 func (c *cluster) dumpState(ctx context.Context) {
-	pods, _ := c.cs.CoreV1().Pods(c.ns).List(ctx, metav1.ListOptions{})
-	for _, p := range pods.Items {
-		c.t.Logf("pod %s on %q: %s", p.Name, p.Spec.NodeName, p.Status.Phase)
-	}
 	evs, _ := c.cs.CoreV1().Events(c.ns).List(ctx, metav1.ListOptions{})
+	sort.SliceStable(evs.Items, func(i, j int) bool {
+		return eventTime(evs.Items[i]).Before(eventTime(evs.Items[j]))
+	})
 	for _, e := range evs.Items {
-		c.t.Logf("event %s/%s %s: %s", e.InvolvedObject.Kind, e.InvolvedObject.Name, e.Reason, e.Message)
+		c.t.Logf("event %s %s/%s %s (x%d): %s", eventTime(e).Format("15:04:05"), e.InvolvedObject.Kind, e.InvolvedObject.Name, e.Reason, max(e.Count, 1), e.Message)
+	}
+	ours := map[string]bool{}
+	if pvs, err := c.cs.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{}); err == nil {
+		for _, pv := range pvs.Items {
+			if pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == c.ns {
+				ours[pv.Name] = true
+				c.t.Logf("volume %s for claim %s: %s", pv.Name, pv.Spec.ClaimRef.Name, pv.Status.Phase)
+			}
+		}
 	}
 	vas, _ := c.cs.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
 	for _, va := range vas.Items {
-		c.t.Logf("volumeattachment %s node %s attached %v error %v", *va.Spec.Source.PersistentVolumeName, va.Spec.NodeName, va.Status.Attached, va.Status.AttachError)
+		pv := va.Spec.Source.PersistentVolumeName
+		if pv == nil || !ours[*pv] {
+			continue
+		}
+		detach := ""
+		if va.DeletionTimestamp != nil {
+			detach = " (being detached since " + va.DeletionTimestamp.Format("15:04:05") + ")"
+		}
+		c.t.Logf("volumeattachment %s node %s attached %v%s attach error %v detach error %v",
+			*pv, va.Spec.NodeName, va.Status.Attached, detach, va.Status.AttachError, va.Status.DetachError)
 	}
+	pods, _ := c.cs.CoreV1().Pods(c.ns).List(ctx, metav1.ListOptions{})
+	for _, p := range pods.Items {
+		var why []string
+		for _, cond := range p.Status.Conditions {
+			if cond.Status != corev1.ConditionTrue {
+				why = append(why, fmt.Sprintf("%s=%s %s %s", cond.Type, cond.Status, cond.Reason, cond.Message))
+			}
+		}
+		for _, st := range p.Status.ContainerStatuses {
+			if w := st.State.Waiting; w != nil {
+				why = append(why, fmt.Sprintf("container %s waiting: %s %s", st.Name, w.Reason, w.Message))
+			}
+		}
+		deleting := ""
+		if p.DeletionTimestamp != nil {
+			deleting = " (deleting)"
+		}
+		c.t.Logf("pod %s uid %s on %q: %s%s %s", p.Name, p.UID, p.Spec.NodeName, p.Status.Phase, deleting, strings.Join(why, "; "))
+	}
+	if c.failure != "" {
+		c.t.Logf("failed: %s", c.failure)
+	}
+}
+
+// eventTime is when an event last happened, whichever field its source set.
+func eventTime(e corev1.Event) time.Time {
+	switch {
+	case !e.LastTimestamp.IsZero():
+		return e.LastTimestamp.Time
+	case !e.EventTime.IsZero():
+		return e.EventTime.Time
+	}
+	return e.CreationTimestamp.Time
 }
 
 // example decodes deploy/examples/<file> for this cluster: every pod runs the
@@ -168,7 +231,7 @@ func (c *cluster) example(file string) []runtime.Object {
 	c.t.Helper()
 	data, err := os.ReadFile(filepath.Join("..", "..", "deploy", "examples", file))
 	if err != nil {
-		c.t.Fatal(err)
+		c.fatalf("%v", err)
 	}
 	var out []runtime.Object
 	reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
@@ -178,7 +241,7 @@ func (c *cluster) example(file string) []runtime.Object {
 			break
 		}
 		if err != nil {
-			c.t.Fatalf("%s: %v", file, err)
+			c.fatalf("%s: %v", file, err)
 		}
 		if len(bytes.TrimSpace(doc)) == 0 {
 			continue
@@ -188,7 +251,7 @@ func (c *cluster) example(file string) []runtime.Object {
 			// Not a built-in kind (a VolumeSnapshot): keep it unstructured.
 			u := &unstructured.Unstructured{}
 			if err := utilyaml.Unmarshal(doc, &u.Object); err != nil {
-				c.t.Fatalf("%s: %v", file, err)
+				c.fatalf("%s: %v", file, err)
 			}
 			obj = u
 		}
@@ -210,7 +273,7 @@ func (c *cluster) create(objs ...runtime.Object) {
 	c.t.Helper()
 	for _, obj := range objs {
 		if err := c.createOne(obj); err != nil {
-			c.t.Fatalf("creating %T: %v", obj, err)
+			c.fatalf("creating %T: %v", obj, err)
 		}
 	}
 }
@@ -259,7 +322,7 @@ func (c *cluster) waitFor(what string, timeout time.Duration, cond func() (bool,
 		}
 		lastErr = err
 		if time.Now().After(deadline) {
-			c.t.Fatalf("timed out after %v waiting for %s (last error: %v)", timeout, what, lastErr)
+			c.fatalf("timed out after %v waiting for %s (last error: %v)", timeout, what, lastErr)
 		}
 		time.Sleep(500 * time.Millisecond)
 	}
@@ -269,7 +332,7 @@ func (c *cluster) pod(name string) *corev1.Pod {
 	c.t.Helper()
 	p, err := c.cs.CoreV1().Pods(c.ns).Get(c.ctx, name, metav1.GetOptions{})
 	if err != nil {
-		c.t.Fatalf("pod %s: %v", name, err)
+		c.fatalf("pod %s: %v", name, err)
 	}
 	return p
 }
@@ -278,7 +341,7 @@ func (c *cluster) pods(selector string) []corev1.Pod {
 	c.t.Helper()
 	l, err := c.cs.CoreV1().Pods(c.ns).List(c.ctx, metav1.ListOptions{LabelSelector: selector})
 	if err != nil {
-		c.t.Fatal(err)
+		c.fatalf("%v", err)
 	}
 	return l.Items
 }
@@ -347,7 +410,7 @@ func (c *cluster) stillNotRunning(name string, for_ time.Duration) {
 	for time.Now().Before(end) {
 		p := c.pod(name)
 		if p.Status.Phase == corev1.PodRunning || podReady(p) {
-			c.t.Fatalf("pod %s on %s is %s, but must not run", name, p.Spec.NodeName, p.Status.Phase)
+			c.fatalf("pod %s on %s is %s, but must not run", name, p.Spec.NodeName, p.Status.Phase)
 		}
 		time.Sleep(time.Second)
 	}
@@ -373,7 +436,7 @@ func (c *cluster) mustExec(pod string, cmd ...string) string {
 	c.t.Helper()
 	out, errOut, err := c.exec(pod, cmd...)
 	if err != nil {
-		c.t.Fatalf("exec %v in %s: %v (stderr %q)", cmd, pod, err, errOut)
+		c.fatalf("exec %v in %s: %v (stderr %q)", cmd, pod, err, errOut)
 	}
 	return out
 }
@@ -392,7 +455,7 @@ func (c *cluster) boundPV(claim string) *corev1.PersistentVolume {
 	})
 	pv, err := c.cs.CoreV1().PersistentVolumes().Get(c.ctx, pvName, metav1.GetOptions{})
 	if err != nil {
-		c.t.Fatal(err)
+		c.fatalf("%v", err)
 	}
 	return pv
 }
@@ -418,7 +481,7 @@ func (c *cluster) zoneOf(node string) string {
 	c.t.Helper()
 	n, err := c.cs.CoreV1().Nodes().Get(c.ctx, node, metav1.GetOptions{})
 	if err != nil {
-		c.t.Fatal(err)
+		c.fatalf("%v", err)
 	}
 	return n.Labels["topology.kubernetes.io/zone"]
 }
@@ -428,7 +491,7 @@ func (c *cluster) attachment(pv, node string) *storagev1.VolumeAttachment {
 	c.t.Helper()
 	vas, err := c.cs.StorageV1().VolumeAttachments().List(c.ctx, metav1.ListOptions{})
 	if err != nil {
-		c.t.Fatal(err)
+		c.fatalf("%v", err)
 	}
 	for i, va := range vas.Items {
 		if va.Spec.Source.PersistentVolumeName != nil && *va.Spec.Source.PersistentVolumeName == pv && va.Spec.NodeName == node {
@@ -444,11 +507,11 @@ func (c *cluster) blockImage(pv *corev1.PersistentVolume, zone string) string {
 		strings.ReplaceAll(pv.Spec.CSI.VolumeHandle, ":", "_")+".img")
 }
 
-// deleteAndWait deletes the named claim and waits for its volume to be gone.
+// deleteClaimAndWait deletes the named claim and waits for its volume to be gone.
 func (c *cluster) deleteClaimAndWait(claim, pv string) {
 	c.t.Helper()
 	if err := c.cs.CoreV1().PersistentVolumeClaims(c.ns).Delete(c.ctx, claim, metav1.DeleteOptions{}); err != nil {
-		c.t.Fatal(err)
+		c.fatalf("%v", err)
 	}
 	c.waitFor("volume "+pv+" deleted", startTimeout, func() (bool, error) {
 		_, err := c.cs.CoreV1().PersistentVolumes().Get(c.ctx, pv, metav1.GetOptions{})
@@ -459,13 +522,19 @@ func (c *cluster) deleteClaimAndWait(claim, pv string) {
 // deletePodAndWait deletes a pod and waits until it is gone.
 func (c *cluster) deletePodAndWait(name string) {
 	c.t.Helper()
+	old := c.pod(name)
 	zero := int64(0)
 	if err := c.cs.CoreV1().Pods(c.ns).Delete(c.ctx, name, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
-		c.t.Fatal(err)
+		c.fatalf("%v", err)
 	}
-	c.waitFor("pod "+name+" gone", startTimeout, func() (bool, error) {
-		_, err := c.cs.CoreV1().Pods(c.ns).Get(c.ctx, name, metav1.GetOptions{})
-		return apierrors.IsNotFound(err), err
+	// Gone means this pod, by UID: a StatefulSet makes a new pod of the
+	// same name at once, often before the next poll could see none.
+	c.waitFor("pod "+name+" (uid "+string(old.UID)+") gone", startTimeout, func() (bool, error) {
+		p, err := c.cs.CoreV1().Pods(c.ns).Get(c.ctx, name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return true, nil
+		}
+		return err == nil && p.UID != old.UID, err
 	})
 }
 

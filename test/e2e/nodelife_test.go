@@ -30,7 +30,7 @@ func TestNodeRestartKeepsPodData(t *testing.T) {
 	pv := c.boundPV("node-restart-claim")
 	token := make([]byte, 16)
 	if _, err := rand.Read(token); err != nil {
-		t.Fatal(err)
+		c.fatalf("%v", err)
 	}
 	kept := hex.EncodeToString(token)
 	c.mustExec("node-restart", "sh", "-c", "echo "+kept+" > /data/kept && sync")
@@ -42,7 +42,7 @@ func TestNodeRestartKeepsPodData(t *testing.T) {
 	out, err := cmd.CombinedOutput()
 	t.Logf("reboot-node.sh %s:\n%s", node, out)
 	if err != nil {
-		t.Fatalf("rebooting node %s: %v", node, err)
+		c.fatalf("rebooting node %s: %v", node, err)
 	}
 
 	c.waitFor("node-restart running again after the reboot", 3*startTimeout, func() (bool, error) {
@@ -54,7 +54,7 @@ func TestNodeRestartKeepsPodData(t *testing.T) {
 		return podReady(p) && startedAfter(p, rebootedAt), nil
 	})
 	if pod.UID != uid || pod.Spec.NodeName != node {
-		t.Fatalf("the pod came back as another pod or on another node (%s)", pod.Spec.NodeName)
+		c.fatalf("the pod came back as another pod or on another node (%s)", pod.Spec.NodeName)
 	}
 	// A kubelet just started may not serve exec for the pod yet.
 	var got string
@@ -64,13 +64,13 @@ func TestNodeRestartKeepsPodData(t *testing.T) {
 		return err == nil, err
 	})
 	if got != kept {
-		t.Fatalf("after the reboot the pod reads %q from its volume, want %q", got, kept)
+		c.fatalf("after the reboot the pod reads %q from its volume, want %q", got, kept)
 	}
 	// Each start of the container appended a line: the second start found
 	// the first one's, so the volume it started on was the volume, not an
 	// empty directory.
 	if boots := strings.Fields(c.mustExec("node-restart", "wc", "-l", "/data/boots")); len(boots) == 0 || boots[0] != "2" {
-		t.Fatalf("/data/boots has %v lines, want 2 (one per start of the pod)", boots)
+		c.fatalf("/data/boots has %v lines, want 2 (one per start of the pod)", boots)
 	}
 	c.mustExec("node-restart", "sh", "-c", "echo after > /data/after-reboot && sync")
 
@@ -92,7 +92,7 @@ func TestNodeRestartKeepsPodData(t *testing.T) {
 		return nil
 	})
 	if len(landed) > 0 {
-		t.Fatalf("the pod's files landed on the node's disk: %v", landed)
+		c.fatalf("the pod's files landed on the node's disk: %v", landed)
 	}
 }
 

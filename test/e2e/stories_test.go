@@ -56,7 +56,7 @@ func TestRWODeploymentStaysOnOneNode(t *testing.T) {
 
 	pv := c.boundPV("rwo-shared")
 	if z := pvZones(pv); len(z) != 1 || z[0] != "zone-a" {
-		t.Fatalf("volume %s: zones %v, want [zone-a] (the zone its pods were scheduled to)", pv.Name, z)
+		c.fatalf("volume %s: zones %v, want [zone-a] (the zone its pods were scheduled to)", pv.Name, z)
 	}
 	var holder string
 	c.waitFor("the volume attached to one node", startTimeout, func() (bool, error) {
@@ -90,7 +90,7 @@ func TestRWODeploymentStaysOnOneNode(t *testing.T) {
 		}
 	}
 	if len(running) == 0 || len(refused) == 0 {
-		t.Fatalf("want replicas both on the holding node and off it; running %v, refused %v", running, refused)
+		c.fatalf("want replicas both on the holding node and off it; running %v, refused %v", running, refused)
 	}
 	// The attach is refused once per node: the event goes to one of the
 	// pods there; none of them runs.
@@ -113,7 +113,7 @@ func TestRWODeploymentStaysOnOneNode(t *testing.T) {
 		c.stillNotRunning(name, 5*time.Second)
 	}
 	if va := c.attachment(pv.Name, otherZoneANode(holder)); va != nil && va.Status.Attached {
-		t.Fatalf("volume %s is attached to %s as well", pv.Name, otherZoneANode(holder))
+		c.fatalf("volume %s is attached to %s as well", pv.Name, otherZoneANode(holder))
 	}
 	// The replicas on the holding node share the volume: each one's writes
 	// are in the same file.
@@ -182,7 +182,7 @@ func TestRWOPDeploymentRunsOnePod(t *testing.T) {
 			}
 		}
 		if n != 1 {
-			t.Fatalf("%d pods running with a ReadWriteOncePod claim", n)
+			c.fatalf("%d pods running with a ReadWriteOncePod claim", n)
 		}
 		time.Sleep(time.Second)
 	}
@@ -197,11 +197,11 @@ func TestStatefulSetPodKeepsItsVolume(t *testing.T) {
 	c.waitRunning("web-1")
 	pv0, pv1 := c.boundPV("data-web-0"), c.boundPV("data-web-1")
 	if pv0.Name == pv1.Name {
-		t.Fatalf("both pods on volume %s", pv0.Name)
+		c.fatalf("both pods on volume %s", pv0.Name)
 	}
 	for _, name := range []string{"web-0", "web-1"} {
 		if id := strings.TrimSpace(c.mustExec(name, "cat", "/data/id")); id != name {
-			t.Fatalf("%s: /data/id is %q", name, id)
+			c.fatalf("%s: /data/id is %q", name, id)
 		}
 	}
 	c.mustExec("web-0", "sh", "-c", "echo kept > /data/kept && sync")
@@ -217,10 +217,10 @@ func TestStatefulSetPodKeepsItsVolume(t *testing.T) {
 		return p.UID != old.UID && podReady(p), nil
 	})
 	if pv := c.boundPV("data-web-0"); pv.Name != pv0.Name {
-		t.Fatalf("web-0 came back on %s, was on %s", pv.Name, pv0.Name)
+		c.fatalf("web-0 came back on %s, was on %s", pv.Name, pv0.Name)
 	}
 	if got := strings.TrimSpace(c.mustExec("web-0", "cat", "/data/id", "/data/kept")); got != "web-0\nkept" {
-		t.Fatalf("web-0 (now on %s) reads %q from its volume", back.Spec.NodeName, got)
+		c.fatalf("web-0 (now on %s) reads %q from its volume", back.Spec.NodeName, got)
 	}
 }
 
@@ -261,12 +261,12 @@ func TestTopologyFollowsTheData(t *testing.T) {
 	c.create(find[*corev1.PersistentVolumeClaim](t, objs, "topo-immediate"))
 	imm := c.boundPV("topo-immediate")
 	if z := pvZones(imm); len(z) != 1 || z[0] != "zone-b" {
-		t.Fatalf("Immediate claim with allowedTopologies zone-b: volume zones %v", z)
+		c.fatalf("Immediate claim with allowedTopologies zone-b: volume zones %v", z)
 	}
 	c.create(find[*corev1.Pod](t, objs, "topo-immediate-pod"))
 	p := c.waitRunning("topo-immediate-pod")
 	if z := c.zoneOf(p.Spec.NodeName); z != "zone-b" {
-		t.Fatalf("topo-immediate-pod scheduled to %s in %s, its volume is in zone-b", p.Spec.NodeName, z)
+		c.fatalf("topo-immediate-pod scheduled to %s in %s, its volume is in zone-b", p.Spec.NodeName, z)
 	}
 
 	// WaitForFirstConsumer: not bound until the pod is scheduled, then in
@@ -274,16 +274,16 @@ func TestTopologyFollowsTheData(t *testing.T) {
 	c.create(find[*corev1.PersistentVolumeClaim](t, objs, "topo-wffc"))
 	time.Sleep(3 * time.Second)
 	if pvc, err := c.cs.CoreV1().PersistentVolumeClaims(c.ns).Get(c.ctx, "topo-wffc", metav1.GetOptions{}); err != nil || pvc.Status.Phase != corev1.ClaimPending {
-		t.Fatalf("topo-wffc without a pod: %v, %v (want Pending)", pvc.Status.Phase, err)
+		c.fatalf("topo-wffc without a pod: %v, %v (want Pending)", pvc.Status.Phase, err)
 	}
 	c.create(find[*corev1.Pod](t, objs, "topo-wffc-pod"))
 	p = c.waitRunning("topo-wffc-pod")
 	wffc := c.boundPV("topo-wffc")
 	if z, want := pvZones(wffc), c.zoneOf(p.Spec.NodeName); len(z) != 1 || z[0] != want {
-		t.Fatalf("WaitForFirstConsumer volume zones %v, its pod runs on %s in %s", z, p.Spec.NodeName, want)
+		c.fatalf("WaitForFirstConsumer volume zones %v, its pod runs on %s in %s", z, p.Spec.NodeName, want)
 	}
 	if !strings.Contains(wffc.Spec.CSI.VolumeHandle, ":zone-b:") {
-		t.Fatalf("volume %s is not in zone-b's pool", wffc.Spec.CSI.VolumeHandle)
+		c.fatalf("volume %s is not in zone-b's pool", wffc.Spec.CSI.VolumeHandle)
 	}
 }
 
@@ -326,27 +326,27 @@ func TestROXFromSnapshot(t *testing.T) {
 	for name, node := range readers {
 		c.waitRunning(name)
 		if got := strings.TrimSpace(c.mustExec(name, "cat", "/data/hello")); got != "hello from the source volume" {
-			t.Fatalf("%s on %s reads %q", name, node, got)
+			c.fatalf("%s on %s reads %q", name, node, got)
 		}
 		_, stderr, err := c.exec(name, "sh", "-c", "echo write > /data/attempt")
 		if err == nil || !strings.Contains(stderr, "Read-only file system") {
-			t.Fatalf("%s on %s could write to the ReadOnlyMany volume (err %v, stderr %q)", name, node, err, stderr)
+			c.fatalf("%s on %s could write to the ReadOnlyMany volume (err %v, stderr %q)", name, node, err, stderr)
 		}
 		if va := c.attachment(pv.Name, node); va == nil || !va.Status.Attached {
-			t.Fatalf("volume not attached to %s", node)
+			c.fatalf("volume not attached to %s", node)
 		}
 	}
 
 	image := c.blockImage(pv, "zone-a")
 	if _, err := os.Stat(image); err != nil {
-		t.Fatalf("the copy's image: %v", err)
+		c.fatalf("the copy's image: %v", err)
 	}
 	for name := range readers {
 		c.deletePodAndWait(name)
 	}
 	c.deleteClaimAndWait("rox-copy", pv.Name)
 	if _, err := os.Stat(image); !os.IsNotExist(err) {
-		t.Fatalf("image %s still there after the claim was deleted (%v)", image, err)
+		c.fatalf("image %s still there after the claim was deleted (%v)", image, err)
 	}
 }
 
@@ -373,7 +373,7 @@ func TestExpansionGrowsMountedFilesystem(t *testing.T) {
 
 	patch := []byte(`{"spec":{"resources":{"requests":{"storage":"640Mi"}}}}`)
 	if _, err := c.cs.CoreV1().PersistentVolumeClaims(c.ns).Patch(c.ctx, "grow-claim", types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
-		t.Fatal(err)
+		c.fatalf("%v", err)
 	}
 	c.waitFor("claim capacity 640Mi", startTimeout, func() (bool, error) {
 		p, err := c.cs.CoreV1().PersistentVolumeClaims(c.ns).Get(c.ctx, "grow-claim", metav1.GetOptions{})
@@ -389,7 +389,7 @@ func TestExpansionGrowsMountedFilesystem(t *testing.T) {
 		return after > before+250*1024, nil
 	})
 	if p := c.pod("grow-me"); p.UID != pod.UID || p.Status.ContainerStatuses[0].RestartCount != 0 {
-		t.Fatalf("the pod was restarted to grow its volume")
+		c.fatalf("the pod was restarted to grow its volume")
 	}
 	t.Logf("filesystem %d KiB -> %d KiB", before, after)
 }
@@ -401,11 +401,11 @@ func (c *cluster) dfKiB(pod string) int64 {
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	fields := strings.Fields(lines[len(lines)-1])
 	if len(fields) < 2 {
-		c.t.Fatalf("df output %q", out)
+		c.fatalf("df output %q", out)
 	}
 	n, err := strconv.ParseInt(fields[1], 10, 64)
 	if err != nil {
-		c.t.Fatalf("df output %q: %v", out, err)
+		c.fatalf("df output %q: %v", out, err)
 	}
 	return n
 }
@@ -475,7 +475,7 @@ func TestNFSExportFollowsAttachments(t *testing.T) {
 	c.waitExportClients(rox, "")
 	c.deleteClaimAndWait("nfs-rwo", rwo.Name)
 	if path, _ := c.exportOf(rwo); path != "" {
-		t.Fatalf("export file %s still there after the claim was deleted", path)
+		c.fatalf("export file %s still there after the claim was deleted", path)
 	}
 }
 
@@ -486,7 +486,7 @@ func (c *cluster) exportOf(pv *corev1.PersistentVolume) (string, []string) {
 	dir := filepath.Join(c.build, "modeguard-local", "ganesha", "exports")
 	entries, err := os.ReadDir(dir)
 	if err != nil {
-		c.t.Fatal(err)
+		c.fatalf("%v", err)
 	}
 	for _, e := range entries {
 		data, err := os.ReadFile(filepath.Join(dir, e.Name()))
