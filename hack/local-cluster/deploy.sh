@@ -46,7 +46,19 @@ done
 wait
 
 log "making the pool and state directories"
-mkdir -p "$BUILD"/modeguard-local/{pools/zone-a,pools/zone-b,node,nfs,ganesha}
+# The pools live on an xfs with reflinks (in a sparse image, POOL_SIZE), as a production pool
+# should: a snapshot or clone of a volume in use is then an atomic clone. On a filesystem
+# without reflinks (this host's ext4) the driver refuses to copy a volume attached for writing.
+mkdir -p "$BUILD"/modeguard-local/{pools,node,nfs,ganesha}
+pools="$BUILD/modeguard-local/pools" pools_img="$BUILD/modeguard-local/pools.img"
+if ! mountpoint -q "$pools"; then
+  if [[ ! -s "$pools_img" ]]; then
+    truncate -s "${POOL_SIZE:-16G}" "$pools_img"
+    mkfs.xfs -q -m reflink=1 "$pools_img" || die "mkfs.xfs -m reflink=1 $pools_img"
+  fi
+  mount -t xfs -o loop "$pools_img" "$pools" || die "mounting the pools' xfs $pools_img"
+fi
+mkdir -p "$pools"/{zone-a,zone-b}
 
 log "applying deploy/kubernetes/overlays/local"
 # The overlay's host paths assume the repository at /work/main.

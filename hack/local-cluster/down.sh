@@ -91,17 +91,27 @@ fi
 # The driver's storage (pools, node state, NFS images, ganesha's files): a cluster starts with
 # empty etcd, so volumes recorded there would be orphans. Unmount what is still mounted below
 # it, detach the loop devices backed by its files, then delete it (KEEP_STATE=1 keeps it).
+# The loop devices of volume images go first: they keep the pools' xfs (its own loop device,
+# released by its unmount) busy.
 MG="$BUILD/modeguard-local"
-if [[ -d "$MG" ]]; then
-  mapfile -t mnts < <(awk -v p="$MG/" 'index($2, p) == 1 {print $2}' /proc/self/mounts | sort -r)
-  for m in "${mnts[@]}"; do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || log "cannot unmount $m"; done
+detach_loops_under_mg() {
+  local f dev
   for f in /sys/block/loop*/loop/backing_file; do
     [[ -r "$f" ]] || continue
-    if [[ "$(cat "$f")" == "$MG/"* ]]; then
+    if [[ "$(cat "$f")" == "$MG/"* && "$(cat "$f")" != "$MG/pools.img" ]]; then
       dev=/dev/$(basename "$(dirname "$(dirname "$f")")")
       losetup -d "$dev" 2>/dev/null && log "detached $dev ($(cat "$f" 2>/dev/null))"
     fi
   done
+  return 0
+}
+if [[ -d "$MG" ]]; then
+  mapfile -t mnts < <(awk -v p="$MG/" 'index($2, p) == 1 && $2 != p "pools" {print $2}' /proc/self/mounts | sort -r)
+  for m in "${mnts[@]}"; do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || log "cannot unmount $m"; done
+  detach_loops_under_mg
+  if mountpoint -q "$MG/pools"; then
+    umount "$MG/pools" 2>/dev/null || umount -l "$MG/pools" 2>/dev/null || log "cannot unmount $MG/pools"
+  fi
   if [[ "${KEEP_STATE:-0}" != 1 ]]; then rm -rf "$MG"; fi
 fi
 

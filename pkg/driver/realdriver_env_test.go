@@ -100,6 +100,14 @@ func newEnv(t *testing.T, maxVolumes int64, opts ...func(*env)) *env {
 	return e
 }
 
+// onReflinkPool puts the env's pool on an xfs with reflinks, where volumes
+// in use can be snapshotted and cloned (block.copyVolumeAtOnePoint).
+func onReflinkPool(t *testing.T) func(*env) {
+	return func(e *env) {
+		e.pool = filepath.Join(testenv.ReflinkXFS(t, 2<<30), "pool-"+testZone)
+	}
+}
+
 // start builds a driver process the way cmd/modeguard does (fresh backends
 // reading the pool, a driver on the same state dir, Reconcile) and serves it.
 func (e *env) start(t *testing.T) {

@@ -21,7 +21,7 @@ import (
 func TestStateFilesArePrivate(t *testing.T) {
 	old := syscall.Umask(0)
 	t.Cleanup(func() { syscall.Umask(old) }) // runs last: after every volume is gone
-	e := newEnv(t, 0)
+	e := newEnv(t, 0, onReflinkPool(t))      // snapshots and clones a volume in use
 
 	fsCap := mountCap(accessmode.SingleNodeSingleWriter)
 	fsVol, staging, pc := e.setup(t, "private-fs", fsCap)

@@ -212,7 +212,9 @@ func (p *crashProc) stop() {
 
 func crashScenario(t *testing.T, bin, point, where string) {
 	work := t.TempDir()
-	pool := filepath.Join(work, "pool")
+	// The scenario snapshots its volume while it is published: a pool with
+	// reflinks copies a volume in use (one without refuses).
+	pool := filepath.Join(testenv.ReflinkXFS(t, 2<<30), "pool")
 	state := filepath.Join(work, "node-state")
 	kubelet := filepath.Join(work, "kubelet")
 	for _, d := range []string{pool, state, kubelet} {

@@ -24,7 +24,8 @@ import (
 func TestSecretsNeitherLoggedNorStoredByTheBinaries(t *testing.T) {
 	testenv.RequireRoot(t)
 	bin := testenv.BuildBinary(t)
-	work := testenv.Tmpfs(t, "256m")
+	// Reflinks: the test snapshots its volume while it is published.
+	work := testenv.ReflinkXFS(t, 1<<30)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	cluster, err := localcluster.Start(ctx, bin, work, []localcluster.NodeSpec{{Name: "node-a1", Zone: "zone-a"}}, 5)

@@ -64,3 +64,42 @@ func CleanupUnder(t testing.TB, dir string) {
 		}
 	}
 }
+
+// ReflinkXFS mounts a fresh xfs made with reflink=1 on a new temp dir and
+// returns the dir: a pool filesystem where a copy is a clone sharing
+// extents (FICLONE), as on a production pool that can snapshot volumes in
+// use. The filesystem lives in a sparse image next to the dir, of the given
+// size in bytes (xfs wants at least 300 MiB). Cleanup as Tmpfs; the loop
+// device mount(8) made goes with the unmount.
+func ReflinkXFS(t testing.TB, size int64) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "modeguard-reflink-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	image := dir + ".img"
+	if err := os.WriteFile(image, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cleanupImage := func() { os.Remove(image); os.Remove(dir) }
+	if err := os.Truncate(image, size); err != nil {
+		cleanupImage()
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("mkfs.xfs", "-q", "-m", "reflink=1", image).CombinedOutput(); err != nil {
+		cleanupImage()
+		t.Fatalf("mkfs.xfs -m reflink=1: %v: %s", err, out)
+	}
+	if out, err := exec.Command("mount", "-t", "xfs", "-o", "loop", image, dir).CombinedOutput(); err != nil {
+		cleanupImage()
+		t.Fatalf("mounting the reflink xfs: %v: %s", err, out)
+	}
+	t.Cleanup(func() {
+		CleanupUnder(t, dir)
+		if err := unix.Unmount(dir, 0); err != nil {
+			t.Errorf("unmounting the reflink xfs %s: %v", dir, err)
+		}
+		cleanupImage()
+	})
+	return dir
+}

@@ -15,12 +15,16 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/backend/block/loop"
 	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/pkg/volumeid"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
+	mount "k8s.io/mount-utils"
+	utilexec "k8s.io/utils/exec"
 )
 
 var _ backend.Controller = (*Controller)(nil)
@@ -46,6 +50,9 @@ type Controller struct {
 	// reserved is, per zone, space promised to creations, expansions and
 	// snapshots still copying: not yet visible as an image in the index.
 	reserved map[string]int64
+
+	// mounter replays the journal of copied filesystems (replayJournal).
+	mounter *mount.SafeFormatAndMount
 }
 
 // NewController opens the pools (zone -> directory), creates their
@@ -61,6 +68,7 @@ func NewController(pools map[string]string) (*Controller, error) {
 		volumes:   map[string]*backend.Volume{},
 		snapshots: map[string]*backend.Snapshot{},
 		reserved:  map[string]int64{},
+		mounter:   mount.NewSafeFormatAndMount(mount.New(""), utilexec.New()),
 	}
 	for _, zone := range zones {
 		if err := c.load(parsed[zone]); err != nil {
@@ -90,6 +98,14 @@ func (c *Controller) load(p *pool) error {
 			}
 			if strings.HasPrefix(name, ".") && strings.Contains(name, tempMarker) {
 				klog.InfoS("Removing a temporary file left by an interrupted operation", "path", path)
+				if e.IsDir() {
+					// A journal replay's mount point: the mount goes first
+					// (lazily, so a busy one cannot stop the start), which
+					// also releases its loop device.
+					if err := unix.Unmount(path, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+						return fmt.Errorf("unmounting leftover %s: %w", path, err)
+					}
+				}
 				if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 					return fmt.Errorf("removing leftover %s: %w", path, err)
 				}
@@ -336,12 +352,20 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 		}
 	}()
 	if sourceImage != "" {
-		if err := copyImage(ctx, sourceImage, tmp); err != nil {
+		if err := c.copyAtOnePoint(ctx, source, sourceImage, tmp); err != nil {
 			return nil, err
 		}
 	}
 	if err := growAndSync(tmp, spec.CapacityBytes); err != nil {
 		return nil, status.Errorf(codes.Internal, "sizing image of %s: %v", id, err)
+	}
+	if sourceImage != "" && spec.AccessType == accessmode.Mount {
+		if err := replayJournal(ctx, c.mounter, tmp); err != nil {
+			return nil, status.Errorf(codes.Internal, "preparing the filesystem copied into %s: %v", id, err)
+		}
+		if err := growAndSync(tmp, 0); err != nil { // the replay's writes, to disk
+			return nil, status.Errorf(codes.Internal, "syncing image of %s: %v", id, err)
+		}
 	}
 	if formatsAtCreate(spec.AccessType, spec.Modes, source) {
 		if err := mkfs(ctx, fsOrDefault(spec.FsType), tmp); err != nil {
@@ -402,6 +426,89 @@ var (
 	fpSnapshotCopied       = faultpoint.New("block.snapshot.copied")
 	fpExpandImageGrown     = faultpoint.New("block.expand.image-grown")
 )
+
+// copyAtOnePoint copies a new volume's source image. A snapshot never
+// changes; a volume may be in use and goes through copyVolumeAtOnePoint,
+// under its lock so that no attach slips in while it is copied.
+func (c *Controller) copyAtOnePoint(ctx context.Context, src *backend.Source, image, dst string) error {
+	if src.VolumeID == "" {
+		if err := cloneImage(image, dst); err == nil || !errors.Is(err, errNoReflink) {
+			if err != nil {
+				return status.Errorf(codes.Internal, "cloning %s: %v", filepath.Base(image), err)
+			}
+			return nil
+		}
+		return copyImage(ctx, image, dst)
+	}
+	defer c.objects.lock(src.VolumeID)()
+	id, err := volumeid.ParseKind(src.VolumeID, volumeid.Volume)
+	if err != nil {
+		return status.Errorf(codes.NotFound, "source volume: %v", err)
+	}
+	vol, err := c.Volume(ctx, id)
+	if err != nil {
+		return err
+	}
+	return c.copyVolumeAtOnePoint(ctx, vol, image, dst)
+}
+
+// copyVolumeAtOnePoint copies a volume's image as it was at one instant, so
+// that every write acknowledged before the copy began is in it and nothing
+// is torn (crash-consistent). A reflink clone is that instant wherever the
+// pool's filesystem has reflinks. Elsewhere a byte copy is only a point in
+// time when nothing writes the image, so a volume attached for writing (or
+// bound read-write to a loop device on this machine) is refused rather than
+// copied while it moves. The caller holds the volume's lock.
+func (c *Controller) copyVolumeAtOnePoint(ctx context.Context, vol *backend.Volume, image, dst string) error {
+	err := cloneImage(image, dst)
+	if err == nil {
+		return nil
+	}
+	if !errors.Is(err, errNoReflink) {
+		return status.Errorf(codes.Internal, "cloning the image of %s: %v", vol.ID, err)
+	}
+	if writer, err := writerOf(vol, image); err != nil {
+		return status.Errorf(codes.Unavailable, "cannot tell whether volume %s is being written, so it is not copied (its pool has no reflinks): %v", vol.ID, err)
+	} else if writer != "" {
+		return status.Errorf(codes.FailedPrecondition,
+			"volume %s is %s, and its pool's filesystem cannot clone files (no reflink): a copy of an image in use could be torn and miss acknowledged writes. "+
+				"Copy it once no node has it attached for writing, or keep the zone's pool on a filesystem with reflinks (xfs with reflink=1, btrfs)", vol.ID, writer)
+	}
+	return copyImage(ctx, image, dst)
+}
+
+// writerOf says who may be writing a volume's image, or "" if nobody can:
+// the controller's record of read-write attachments, and what the kernel
+// here knows (a loop device bound read-write to the image, whatever the
+// record says).
+func writerOf(vol *backend.Volume, image string) (string, error) {
+	for _, a := range vol.Attachments {
+		if !a.ReadOnly {
+			return "attached read-write to node " + a.Node(), nil
+		}
+	}
+	devs, err := loop.List()
+	if err != nil {
+		return "", fmt.Errorf("listing loop devices: %w", err)
+	}
+	for _, d := range devs {
+		bound, err := loop.BoundTo(d.Device, image)
+		if err != nil {
+			return "", err
+		}
+		if !bound {
+			continue
+		}
+		ro, err := loop.ReadOnly(d.Device)
+		if err != nil {
+			return "", err
+		}
+		if !ro {
+			return "bound read-write to " + d.Device + " on this machine", nil
+		}
+	}
+	return "", nil
+}
 
 // formatsAtCreate is true for filesystem volumes no node will ever be
 // allowed to write: a read-only node cannot format, so nobody could. A
@@ -661,6 +768,9 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 		}
 		return nil, status.Errorf(codes.AlreadyExists, "snapshot %s already exists with source volume %s", id, existing.SourceVolumeID)
 	}
+	// The source's attachments cannot change while it is copied: an
+	// attach waits, so "nobody writes it" stays true to the end.
+	defer c.objects.lock(source.String())()
 	vol, err := c.Volume(ctx, source)
 	if err != nil {
 		return nil, err
@@ -698,7 +808,7 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 			os.Remove(tmp)
 		}
 	}()
-	if err := copyImage(ctx, sourceImage, tmp); err != nil {
+	if err := c.copyVolumeAtOnePoint(ctx, vol, sourceImage, tmp); err != nil {
 		return nil, err
 	}
 	if err := growAndSync(tmp, 0); err != nil { // size 0: only mode and fsync

@@ -440,11 +440,11 @@ func TestRestartedControllerSeesTheSameVolumesAndRemovesCrashLeftovers(t *testin
 	f := newFixture(t, "zone-a", "zone-b")
 	ctx := context.Background()
 	a := f.create(t, mountSpec(t, "zone-a", "a", "ext4", 16*mib))
-	f.attach(t, volID(t, "zone-a", "a"), writer("n1"))
 	f.create(t, mountSpec(t, "zone-b", "b", "", 16*mib))
 	if _, err := f.ctrl.CreateSnapshot(ctx, snapID(t, "zone-a", "s"), "s", volID(t, "zone-a", "a")); err != nil {
 		t.Fatal(err)
 	}
+	f.attach(t, volID(t, "zone-a", "a"), writer("n1"))
 	wantVolumes, _ := f.ctrl.ListVolumes(ctx)
 	wantSnapshots, _ := f.ctrl.ListSnapshots(ctx)
 

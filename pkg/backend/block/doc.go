@@ -34,4 +34,45 @@
 // device, so the kernel itself refuses writes (EROFS) whatever the mount
 // flags say. Volumes whose every mode is read-only are formatted at
 // creation, because no node may ever write to them to format them later.
+//
+// # Snapshots and clones of volumes in use
+//
+// A snapshot (and a clone, CreateVolume from a volume) is crash-consistent:
+// the copy is the image as it was at one instant, holding every write the
+// workload had acknowledged (fsync'd) before the call, as if the node had
+// lost power then. How, depends on the pool's filesystem:
+//
+//   - With reflinks (xfs made with reflink=1, the default of current
+//     xfsprogs; btrfs), the copy is one FICLONE: the kernel flushes the
+//     image's dirty pages and clones its extents under the inode's lock,
+//     an instant single point in time that costs no space until either
+//     side changes. Guest fsyncs reach the image file before they return
+//     (the loop device flushes into it), so they are all in the clone.
+//   - Without reflinks (ext4, tmpfs) a byte copy is only a point in time
+//     if nothing writes the image while it runs. A volume attached
+//     read-write to any node (the controller's record), or bound read-write
+//     to a loop device on the controller's machine (the kernel's word), is
+//     refused with FAILED_PRECONDITION saying so; once detached it copies.
+//
+// Freezing the filesystem on the node that mounts it (FIFREEZE) was the
+// other way to make a byte copy a point in time. It was not chosen: CSI
+// gives the controller no call to reach that node, a copy may outlast the
+// CO's deadline while every writer on the volume stays blocked, and a
+// controller that dies mid-copy would leave the volume frozen. Refusing is
+// honest where reflinks are missing; the operator guide says to keep pools
+// on a filesystem with reflinks.
+//
+// A crash-consistent copy of a filesystem may keep acknowledged writes only
+// in its journal. Before a restored or cloned filesystem volume is handed
+// out, the controller mounts the new image read/write once and unmounts it
+// (replayJournal), so the journal is replayed into the filesystem. Volumes
+// of read-only modes are then mounted read-only without noload/norecovery
+// and show everything; only read-only stages of writable volumes (the
+// readers of MULTI_NODE_SINGLE_WRITER) skip a journal that a live writer
+// elsewhere still owns.
+//
+// Loop devices always have 512-byte sectors: with direct I/O the kernel
+// would take the image file's direct-I/O alignment instead, and on xfs a
+// file that shares extents with a snapshot asks for 4096, which a
+// filesystem made with 1 KiB blocks or 512-byte sectors cannot mount on.
 package block

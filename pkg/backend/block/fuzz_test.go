@@ -12,8 +12,9 @@ import (
 // FuzzMountOptions: for mount flags the driver lets through
 // (backend.CheckMountFlags), the options keep the CO's flags unchanged and
 // first, and mount(8) reads the driver's own options after them as separate
-// options: on a read-only stage "ro" is the last word on ro/rw, with the
-// journal left alone, whatever the flags say.
+// options: on a read-only stage "ro" is the last word on ro/rw, whatever
+// the flags say, and the journal is left alone only where a writer may
+// hold the volume (fs's top bit says none may).
 func FuzzMountOptions(f *testing.F) {
 	f.Add(uint8(0), false, uint8(1), "noatime", "", "")
 	f.Add(uint8(0), true, uint8(1), "rw", "", "")
@@ -22,12 +23,13 @@ func FuzzMountOptions(f *testing.F) {
 	f.Add(uint8(0), true, uint8(3), "rw", "x-a=\"b", "c\"")
 	f.Add(uint8(2), true, uint8(1), "errors=remount-ro", "", "")
 	f.Fuzz(func(t *testing.T, fs uint8, readOnly bool, n uint8, f1, f2, f3 string) {
+		writable := fs&0x80 == 0
 		fsType := []string{fsExt4, fsXFS, ""}[fs%3]
 		flags := []string{f1, f2, f3}[:n%4]
 		if backend.CheckMountFlags(flags) != nil {
 			return
 		}
-		opts := mountOptions(fsType, readOnly, flags)
+		opts := mountOptions(fsType, readOnly, writable, flags)
 		if !slices.Equal(opts[:len(flags)], flags) {
 			t.Fatalf("mountOptions(%q, %t, %q) = %q: the CO's flags are not first and unchanged", fsType, readOnly, flags, opts)
 		}
@@ -37,6 +39,8 @@ func FuzzMountOptions(f *testing.F) {
 		}
 		if readOnly {
 			own = append(own, "ro")
+		}
+		if readOnly && writable {
 			switch fsType {
 			case fsExt4:
 				own = append(own, "noload")

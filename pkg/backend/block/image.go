@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
+	mount "k8s.io/mount-utils"
 )
 
 // Filesystems the node can format and grow; anything else would need tools
@@ -243,4 +244,76 @@ func parseExt4Geometry(out string) (blockCount, blockSize int64, err error) {
 		return 0, 0, fmt.Errorf("no block count and block size in the output")
 	}
 	return blockCount, blockSize, nil
+}
+
+// errNoReflink: the pool's filesystem cannot share extents between files.
+var errNoReflink = errors.New("the pool's filesystem cannot clone files (no reflink)")
+
+// cloneImage makes dst (an existing, empty file) share every extent of src
+// with one FICLONE: an instant copy that is a single point in time, since
+// the kernel flushes src's dirty pages and holds its lock while it clones.
+// It answers errNoReflink where the pool's filesystem has no reflinks
+// (ext4, tmpfs; xfs made with reflink=0).
+func cloneImage(src, dst string) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := os.OpenFile(dst, os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	err = unix.IoctlFileClone(int(out.Fd()), int(in.Fd()))
+	if err == nil {
+		err = out.Sync()
+	}
+	if cerr := out.Close(); err == nil {
+		err = cerr
+	}
+	switch {
+	case errors.Is(err, unix.EOPNOTSUPP), errors.Is(err, unix.ENOTTY), errors.Is(err, unix.EXDEV),
+		errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOSYS):
+		return errNoReflink
+	}
+	return err
+}
+
+// replayJournal mounts a copied filesystem read-write once and unmounts it,
+// so the kernel replays its journal (ext4) or log (xfs) as it would after a
+// crash. A copy of a volume in use is crash-consistent: what was fsync'd
+// may sit only in the journal, and a read-only mount could never replay it.
+// An image without a filesystem (never staged, raw block) has nothing to
+// replay. The mount point is a temporary directory of the pool, which
+// NewController unmounts and removes should the controller die here; the
+// loop device mount makes is released by the unmount (autoclear).
+func replayJournal(ctx context.Context, mounter *mount.SafeFormatAndMount, image string) error {
+	fsType, err := mounter.GetDiskFormat(image)
+	if err != nil {
+		return fmt.Errorf("probing the filesystem of %s: %w", filepath.Base(image), err)
+	}
+	opts := []string{"loop"}
+	switch fsType {
+	case "":
+		return nil
+	case fsExt4:
+	case fsXFS:
+		// The copy has its source's UUID, which may be mounted here.
+		opts = append(opts, "nouuid")
+	default:
+		return fmt.Errorf("%s holds a %s filesystem, which this backend does not make", filepath.Base(image), fsType)
+	}
+	dir, err := os.MkdirTemp(filepath.Dir(image), "."+filepath.Base(image)+replayMarker+tempMarker)
+	if err != nil {
+		return err
+	}
+	defer os.Remove(dir)
+	if err := mounter.Mount(image, dir, fsType, opts); err != nil {
+		return fmt.Errorf("mounting %s to replay its journal: %w", filepath.Base(image), err)
+	}
+	if err := mounter.Unmount(dir); err != nil {
+		return fmt.Errorf("unmounting %s after replaying its journal: %w", filepath.Base(image), err)
+	}
+	klog.V(4).InfoS("Replayed the journal of a copied filesystem", "image", image, "fsType", fsType)
+	return nil
 }

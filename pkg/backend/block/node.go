@@ -172,7 +172,7 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 	if req.AccessType == accessmode.Block {
 		return staged, nil
 	}
-	if err := n.mountStaged(ctx, staged, req.MountFlags); err != nil {
+	if err := n.mountStaged(ctx, staged, !onlyReadOnly(vol.Modes), req.MountFlags); err != nil {
 		if _, derr := loop.DetachIfBackedBy(context.WithoutCancel(ctx), dev.Path, image); derr != nil {
 			klog.ErrorS(derr, "Detaching loop device after a failed stage", "volumeID", vol.ID, "device", dev.Path)
 		}
@@ -247,7 +247,8 @@ func (n *Node) alreadyStaged(req backend.StageRequest, image, fsType string) (*b
 }
 
 // mountStaged formats (first use only) and mounts the staged device.
-func (n *Node) mountStaged(ctx context.Context, staged *backend.Staged, mountFlags []string) error {
+// writable says whether any node may ever write the volume (mountOptions).
+func (n *Node) mountStaged(ctx context.Context, staged *backend.Staged, writable bool, mountFlags []string) error {
 	existing, err := n.mounter.GetDiskFormat(staged.Device)
 	if err != nil {
 		return status.Errorf(codes.Internal, "probing volume %s: %v", staged.VolumeID, err)
@@ -276,7 +277,7 @@ func (n *Node) mountStaged(ctx context.Context, staged *backend.Staged, mountFla
 	if err := os.MkdirAll(staged.StagingPath, 0o750); err != nil {
 		return status.Errorf(codes.Internal, "creating staging path: %v", err)
 	}
-	if err := n.mounter.FormatAndMount(staged.Device, staged.StagingPath, staged.FsType, mountOptions(staged.FsType, staged.ReadOnly, mountFlags)); err != nil {
+	if err := n.mounter.FormatAndMount(staged.Device, staged.StagingPath, staged.FsType, mountOptions(staged.FsType, staged.ReadOnly, writable, mountFlags)); err != nil {
 		return status.Errorf(codes.Internal, "mounting volume %s at %s: %v", staged.VolumeID, staged.StagingPath, err)
 	}
 	if staged.ReadOnly || existing != fsXFS {
@@ -293,8 +294,15 @@ func (n *Node) mountStaged(ctx context.Context, staged *backend.Staged, mountFla
 }
 
 // mountOptions puts the driver's options after the CO's, so that "ro" wins
-// over a stray "rw" in the mount flags.
-func mountOptions(fsType string, readOnly bool, mountFlags []string) []string {
+// over a stray "rw" in the mount flags. A read-only stage of a writable
+// volume mounts without replaying the journal: a writer may hold the
+// volume elsewhere (the readers of MULTI_NODE_SINGLE_WRITER, a read-only
+// publish of a read/write volume), and a read-only device cannot replay its
+// live journal. A volume no node may ever write needs no such thing: it was
+// formatted at creation, or the controller replayed the journal of the
+// filesystem it was copied from before handing it out, so it mounts
+// read-only with everything its source had fsync'd, nothing hidden.
+func mountOptions(fsType string, readOnly, writable bool, mountFlags []string) []string {
 	opts := slices.Clone(mountFlags)
 	if fsType == fsXFS {
 		// Clones and snapshots keep their source's filesystem UUID, and XFS
@@ -303,16 +311,31 @@ func mountOptions(fsType string, readOnly bool, mountFlags []string) []string {
 	}
 	if readOnly {
 		opts = append(opts, "ro")
-		// A read-only device cannot have its journal replayed; without
-		// these the mount of an uncleanly unmounted filesystem fails.
-		switch fsType {
-		case fsExt4:
-			opts = append(opts, "noload")
-		case fsXFS:
-			opts = append(opts, "norecovery")
+		if writable {
+			switch fsType {
+			case fsExt4:
+				opts = append(opts, "noload")
+			case fsXFS:
+				opts = append(opts, "norecovery")
+			}
 		}
 	}
 	return opts
+}
+
+// onlyReadOnly is true for a volume whose every mode is read-only (ROX,
+// SINGLE_NODE_READER_ONLY): no node may ever write it. A volume that
+// records no modes is taken as writable.
+func onlyReadOnly(modes []accessmode.Mode) bool {
+	if len(modes) == 0 {
+		return false
+	}
+	for _, m := range modes {
+		if !accessmode.IsReadOnly(m) {
+			return false
+		}
+	}
+	return true
 }
 
 // attachmentOf finds this node's attachment by its key: the controller

@@ -378,6 +378,9 @@ func TestSnapshotRestoreAndCloneCarryFilesystemData(t *testing.T) {
 			origin := f.stage(t, f.mountReq(spec.ID, "n1", "origin", false))
 			writeFileSynced(t, filepath.Join(origin.StagingPath, "f"), "from origin")
 			f.unstage(t, origin)
+			// Detached: these pools have no reflinks, and a volume attached
+			// for writing is not copied there (TestSnapshotOfAVolumeInUse).
+			f.attach(t, spec.ID)
 
 			sid := snapID(t, "zone-a", "snap")
 			if _, err := f.ctrl.CreateSnapshot(ctx, sid, "snap", spec.ID); err != nil {
@@ -391,6 +394,7 @@ func TestSnapshotRestoreAndCloneCarryFilesystemData(t *testing.T) {
 			clone.Source = &backend.Source{VolumeID: spec.ID.String()}
 			f.create(t, clone)
 			f.attach(t, clone.ID, writer("n1"))
+			f.attach(t, spec.ID, writer("n1"))
 
 			// All three at once: xfs copies share a UUID.
 			origin = f.stage(t, f.mountReq(spec.ID, "n1", "origin", false))

@@ -22,6 +22,9 @@ const (
 	// tempMarker appears in every temporary name this package and fsutil
 	// create, and in no final name (those end in .json or .img).
 	tempMarker = ".tmp-"
+	// replayMarker names the temporary directory a copied filesystem is
+	// mounted at while its journal is replayed.
+	replayMarker = ".replay"
 )
 
 // pool is one zone's directory.

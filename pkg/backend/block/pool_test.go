@@ -166,25 +166,47 @@ func TestCapacityArithmetic(t *testing.T) {
 }
 
 func TestMountOptions(t *testing.T) {
+	const writable, neverWritten = true, false
 	tests := []struct {
 		name     string
 		fsType   string
 		readOnly bool
+		writable bool
 		flags    []string
 		want     string
 	}{
-		{"ext4 read/write keeps the CO's flags", "ext4", false, []string{"noatime"}, "noatime"},
-		{"ext4 read-only skips the journal", "ext4", true, nil, "ro,noload"},
-		{"xfs read/write tolerates duplicate UUIDs", "xfs", false, nil, "nouuid"},
-		{"xfs read-only skips log recovery", "xfs", true, []string{"noatime"}, "noatime,nouuid,ro,norecovery"},
-		{"ro comes after a stray rw", "ext4", true, []string{"rw"}, "rw,ro,noload"},
+		{"ext4 read/write keeps the CO's flags", "ext4", false, writable, []string{"noatime"}, "noatime"},
+		{"ext4 reader of a writable volume skips the live journal", "ext4", true, writable, nil, "ro,noload"},
+		{"ext4 read-only volume hides nothing", "ext4", true, neverWritten, nil, "ro"},
+		{"xfs read/write tolerates duplicate UUIDs", "xfs", false, writable, nil, "nouuid"},
+		{"xfs reader of a writable volume skips log recovery", "xfs", true, writable, []string{"noatime"}, "noatime,nouuid,ro,norecovery"},
+		{"xfs read-only volume hides nothing", "xfs", true, neverWritten, nil, "nouuid,ro"},
+		{"ro comes after a stray rw", "ext4", true, writable, []string{"rw"}, "rw,ro,noload"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			if got := strings.Join(mountOptions(tt.fsType, tt.readOnly, tt.flags), ","); got != tt.want {
+			if got := strings.Join(mountOptions(tt.fsType, tt.readOnly, tt.writable, tt.flags), ","); got != tt.want {
 				t.Fatalf("options = %q, want %q", got, tt.want)
 			}
 		})
+	}
+}
+
+func TestOnlyReadOnly(t *testing.T) {
+	tests := []struct {
+		modes []accessmode.Mode
+		want  bool
+	}{
+		{nil, false},
+		{[]accessmode.Mode{accessmode.MultiNodeReaderOnly}, true},
+		{[]accessmode.Mode{accessmode.SingleNodeReaderOnly, accessmode.MultiNodeReaderOnly}, true},
+		{[]accessmode.Mode{accessmode.MultiNodeReaderOnly, accessmode.SingleNodeWriter}, false},
+		{[]accessmode.Mode{accessmode.MultiNodeSingleWriter}, false},
+	}
+	for _, tt := range tests {
+		if got := onlyReadOnly(tt.modes); got != tt.want {
+			t.Errorf("onlyReadOnly(%v) = %t, want %t", tt.modes, got, tt.want)
+		}
 	}
 }
 

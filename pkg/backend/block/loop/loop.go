@@ -65,6 +65,14 @@ func attach(ctx context.Context, dev, image string, readOnly bool) (Device, erro
 	if readOnly {
 		args = append(args, "--read-only")
 	}
+	// 512-byte sectors always, whatever the pool: with direct I/O the
+	// kernel would otherwise take the image file's direct-I/O alignment as
+	// the device's sector size, and that changes under a volume's feet (a
+	// reflinked file on xfs asks for 4096 once it shares extents with a
+	// snapshot). A filesystem made on 512-byte sectors (ext4 with 1 KiB
+	// blocks, xfs with sectsz=512) then no longer mounts. Where the file
+	// cannot do direct I/O at 512 bytes the kernel uses the page cache.
+	args = append(args, "--sector-size", "512")
 	target := []string{image}
 	if dev != "" {
 		target = []string{dev, image}
@@ -73,7 +81,9 @@ func attach(ctx context.Context, dev, image string, readOnly bool) (Device, erro
 	if dioErr == nil {
 		d, err := describe(deviceOf(dev, stdout), readOnly)
 		if err == nil && !d.DirectIO {
-			// Older kernels accept the flag and quietly drop it.
+			// Older kernels accept the flag and quietly drop it; newer ones
+			// drop it where the file wants larger aligned direct I/O than
+			// the device's 512-byte sectors (a reflinked file on xfs).
 			klog.InfoS("Kernel turned direct I/O off for loop device, using buffered I/O", "image", image, "device", d.Path)
 		}
 		return d, err

@@ -1,0 +1,239 @@
+package block
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/test/testenv"
+	"google.golang.org/grpc/codes"
+)
+
+// recordSize is one record of syncedWriter: fixed, so record i sits at
+// offset i*recordSize and a torn or missing record is plain to see.
+const recordSize = 4096
+
+func record(i int64) []byte {
+	b := make([]byte, recordSize)
+	copy(b, fmt.Sprintf("record %012d\n", i))
+	return b
+}
+
+// syncedWriter writes record after record to w, each fsync'd before the
+// next, and counts the records acknowledged (write and fsync returned): what
+// a database would have told its clients is durable.
+type syncedWriter struct {
+	synced atomic.Int64
+	stop   chan struct{}
+	done   sync.WaitGroup
+	err    error
+}
+
+func startSyncedWriter(t *testing.T, f *os.File) *syncedWriter {
+	t.Helper()
+	w := &syncedWriter{stop: make(chan struct{})}
+	w.done.Add(1)
+	go func() {
+		defer w.done.Done()
+		for i := int64(0); ; i++ {
+			select {
+			case <-w.stop:
+				return
+			default:
+			}
+			if _, err := f.WriteAt(record(i), i*recordSize); err != nil {
+				w.err = err
+				return
+			}
+			if err := f.Sync(); err != nil {
+				w.err = err
+				return
+			}
+			w.synced.Store(i + 1)
+		}
+	}()
+	t.Cleanup(w.halt)
+	return w
+}
+
+// waitFor lets the writer acknowledge at least n more records.
+func (w *syncedWriter) waitFor(t *testing.T, n int64) {
+	t.Helper()
+	want := w.synced.Load() + n
+	deadline := time.Now().Add(time.Minute)
+	for w.synced.Load() < want {
+		if time.Now().After(deadline) {
+			t.Fatalf("the writer acknowledged %d records in a minute, want %d (error: %v)", w.synced.Load(), want, w.err)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func (w *syncedWriter) halt() {
+	select {
+	case <-w.stop:
+	default:
+		close(w.stop)
+	}
+	w.done.Wait()
+}
+
+// checkRecords reads records 0..n-1 from path: every one must be there,
+// whole.
+func checkRecords(t *testing.T, path string, n int64) {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	got := make([]byte, recordSize)
+	for i := int64(0); i < n; i++ {
+		if _, err := f.ReadAt(got, i*recordSize); err != nil {
+			t.Fatalf("%s: record %d of %d acknowledged before the snapshot: %v", path, i, n, err)
+		}
+		if want := record(i); string(got) != string(want) {
+			t.Fatalf("%s: record %d of %d acknowledged before the snapshot reads %q", path, i, n, got[:24])
+		}
+	}
+}
+
+// TestSnapshotOfAVolumeInUse: a snapshot of a volume a workload writes and
+// fsyncs is a single point in time holding every write acknowledged before
+// the call, on a pool with reflinks; a restore of it, read-only (ROX, on
+// another node, mounted without skipping the journal) or read/write, shows
+// them. A pool without reflinks refuses to copy a volume attached for
+// writing (FAILED_PRECONDITION, saying why), snapshots and clones alike,
+// and copies it once it is detached.
+func TestSnapshotOfAVolumeInUse(t *testing.T) {
+	requireRoot(t)
+	for _, kind := range []string{fsExt4, fsXFS, "raw"} {
+		t.Run(kind+"/reflink pool", func(t *testing.T) {
+			root := testRoot(t)
+			pool := filepath.Join(testenv.ReflinkXFS(t, 4<<30), "pool")
+			if err := os.Mkdir(pool, 0o700); err != nil {
+				t.Fatal(err)
+			}
+			f := openFixture(t, root, map[string]string{"zone-a": pool})
+			snapshotsWhileWriting(t, f, kind, true)
+		})
+		t.Run(kind+"/plain pool", func(t *testing.T) {
+			f := newFixture(t, "zone-a")
+			snapshotsWhileWriting(t, f, kind, false)
+		})
+	}
+}
+
+func snapshotsWhileWriting(t *testing.T, f *fixture, kind string, reflinks bool) {
+	ctx := context.Background()
+	fsType := kind
+	spec := mountSpec(t, "zone-a", "busy", fsType, 64*mib)
+	if kind == "raw" {
+		spec.AccessType, spec.FsType = accessmode.Block, ""
+	} else {
+		spec.CapacityBytes = fsSize(fsType)
+	}
+	f.create(t, spec)
+	f.attach(t, spec.ID, writer("n1"))
+	req := f.mountReq(spec.ID, "n1", "busy", false)
+	req.AccessType, req.Mode = spec.AccessType, accessmode.SingleNodeWriter
+	staged := f.stage(t, req)
+
+	// The writer's file: the raw device itself, or a file in the filesystem.
+	path := staged.Device
+	if kind != "raw" {
+		path = filepath.Join(staged.StagingPath, "log")
+	}
+	out, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := startSyncedWriter(t, out)
+	w.waitFor(t, 20)
+
+	type taken struct {
+		id    backend.Snapshot
+		acked int64
+	}
+	var snaps []taken
+	for i := range 3 {
+		acked := w.synced.Load()
+		name := fmt.Sprintf("busy-%d", i)
+		s, err := f.ctrl.CreateSnapshot(ctx, snapID(t, "zone-a", name), name, spec.ID)
+		if !reflinks {
+			wantCode(t, err, codes.FailedPrecondition)
+			clone := mountSpec(t, "zone-a", "clone", fsType, spec.CapacityBytes)
+			clone.AccessType, clone.FsType = spec.AccessType, spec.FsType
+			clone.Source = &backend.Source{VolumeID: spec.ID.String()}
+			_, err := f.ctrl.CreateVolume(ctx, clone)
+			wantCode(t, err, codes.FailedPrecondition)
+			break
+		}
+		if err != nil {
+			t.Fatalf("CreateSnapshot of a volume in use on a reflink pool: %v", err)
+		}
+		snaps = append(snaps, taken{*s, acked})
+		w.waitFor(t, 10)
+	}
+	w.halt()
+	if w.err != nil {
+		t.Fatalf("the writer failed: %v", w.err)
+	}
+	if err := out.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if !reflinks {
+		// Detached, the same volume copies: nobody writes it any more.
+		acked := w.synced.Load()
+		f.unstage(t, staged)
+		f.attach(t, spec.ID)
+		s, err := f.ctrl.CreateSnapshot(ctx, snapID(t, "zone-a", "detached"), "detached", spec.ID)
+		if err != nil {
+			t.Fatalf("CreateSnapshot of a detached volume on a plain pool: %v", err)
+		}
+		snaps = append(snaps, taken{*s, acked})
+	}
+
+	for i, s := range snaps {
+		sid := snapID(t, "zone-a", s.id.Name)
+		// Read-only, as ReadOnlyMany on another node.
+		rox := mountSpec(t, "zone-a", fmt.Sprintf("rox-%d", i), fsType, spec.CapacityBytes)
+		rox.AccessType, rox.FsType = spec.AccessType, spec.FsType
+		rox.Modes = []accessmode.Mode{accessmode.MultiNodeReaderOnly}
+		rox.Source = &backend.Source{SnapshotID: sid.String()}
+		f.create(t, rox)
+		f.attach(t, rox.ID, reader("n2"))
+		req := f.mountReq(rox.ID, "n2", rox.Name, true)
+		req.AccessType, req.Mode = rox.AccessType, accessmode.MultiNodeReaderOnly
+		r := f.stage(t, req)
+		if kind == "raw" {
+			checkRecords(t, r.Device, s.acked)
+		} else {
+			checkRecords(t, filepath.Join(r.StagingPath, "log"), s.acked)
+		}
+		f.unstage(t, r)
+	}
+	// One restore read/write as well: its filesystem mounts and reads the same.
+	last := snaps[len(snaps)-1]
+	rw := mountSpec(t, "zone-a", "rw-restore", fsType, spec.CapacityBytes)
+	rw.AccessType, rw.FsType = spec.AccessType, spec.FsType
+	rw.Source = &backend.Source{SnapshotID: snapID(t, "zone-a", last.id.Name).String()}
+	f.create(t, rw)
+	f.attach(t, rw.ID, writer("n2"))
+	req = f.mountReq(rw.ID, "n2", "rw-restore", false)
+	req.AccessType, req.Mode = rw.AccessType, accessmode.SingleNodeWriter
+	r := f.stage(t, req)
+	if kind == "raw" {
+		checkRecords(t, r.Device, last.acked)
+	} else {
+		checkRecords(t, filepath.Join(r.StagingPath, "log"), last.acked)
+	}
+	f.unstage(t, r)
+}
