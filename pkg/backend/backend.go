@@ -52,6 +52,10 @@ type Snapshot struct {
 	// an xfs). Empty in records made before they were kept.
 	AccessType accessmode.AccessType `json:"accessType,omitempty"`
 	FsType     string                `json:"fsType,omitempty"`
+	// Cutting is true while the snapshot's data is still being copied: it
+	// exists, but is not ready to use (CSI ready_to_use=false). Never
+	// recorded: a record is written once the copy is complete.
+	Cutting bool `json:"-"`
 }
 
 // VolumeSpec is a volume to create. ID is already derived from the name and

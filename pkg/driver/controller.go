@@ -533,8 +533,34 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 			"no pool of backend %s is in the requested topology (pools in zones: %s)",
 			ctrl.Backend(), strings.Join(ctrl.Zones(), ", "))
 	}
+	if zone, ok := creatingIn(ctrl, key); ok {
+		// A retry of a creation still copying in the background: the same
+		// zone, whatever room the copy itself now takes there.
+		zones = []string{zone}
+	}
 	var tried []string
 	for _, zone := range zones {
+		if id, err := volumeid.New(ctrl.Backend(), zone, volumeid.Volume, key); err == nil && isCreating(ctrl, id) {
+			vol, err := ctrl.CreateVolume(ctx, backend.VolumeSpec{
+				ID: id, Name: req.GetName(), CapacityBytes: size, AccessType: caps.accessType,
+				FsType: caps.fsType, Modes: caps.modes, Parameters: req.GetParameters(), Source: src,
+			})
+			if status.Code(err) == codes.AlreadyExists {
+				// The copy finished in between: the volume is recorded now.
+				existing, lerr := ctrl.Volume(ctx, id)
+				if lerr != nil {
+					return nil, err
+				}
+				if err := compatible(existing, req, caps, src, nodeZones); err != nil {
+					return nil, err
+				}
+				vol, err = existing, nil
+			}
+			if err != nil {
+				return nil, err
+			}
+			return &csi.CreateVolumeResponse{Volume: csiVolume(vol)}, nil
+		}
 		free, err := ctrl.Capacity(ctx, zone)
 		if err != nil {
 			return nil, err
@@ -1143,7 +1169,7 @@ func csiSnapshot(s *backend.Snapshot) *csi.Snapshot {
 		SourceVolumeId: s.SourceVolumeID,
 		SizeBytes:      s.SizeBytes,
 		CreationTime:   timestamppb.New(s.CreatedAt),
-		ReadyToUse:     true,
+		ReadyToUse:     !s.Cutting,
 	}
 }
 
@@ -1183,7 +1209,11 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 			return nil, status.Errorf(codes.AlreadyExists,
 				"a snapshot named %q already exists (%s) of another volume, %s", req.GetName(), existing.ID, existing.SourceVolumeID)
 		}
-		return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(existing)}, nil
+		if !existing.Cutting {
+			return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(existing)}, nil
+		}
+		// Still copying: the backend waits for the copy, within this
+		// call's deadline, rather than answering "not ready" at once.
 	}
 	if _, err := ctrl.Volume(ctx, srcID); err != nil {
 		return nil, err
@@ -1196,8 +1226,34 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 	if err != nil {
 		return nil, err
 	}
-	klog.InfoS("Snapshot created", "snapshotID", snap.ID, "name", snap.Name, "source", snap.SourceVolumeID)
+	if snap.Cutting {
+		klog.InfoS("Snapshot still being copied", "snapshotID", snap.ID, "name", snap.Name, "source", snap.SourceVolumeID)
+	} else {
+		klog.InfoS("Snapshot created", "snapshotID", snap.ID, "name", snap.Name, "source", snap.SourceVolumeID)
+	}
 	return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(snap)}, nil
+}
+
+// creator is a backend whose creations may go on in the background (a
+// long copy): a volume that is being created is not there yet, but a retry
+// must go to it rather than make another.
+type creator interface {
+	Creating(id volumeid.ID) bool
+}
+
+func isCreating(ctrl backend.Controller, id volumeid.ID) bool {
+	c, ok := ctrl.(creator)
+	return ok && c.Creating(id)
+}
+
+// creatingIn finds the zone where the volume of key is being created.
+func creatingIn(ctrl backend.Controller, key string) (string, bool) {
+	for _, zone := range ctrl.Zones() {
+		if id, err := volumeid.New(ctrl.Backend(), zone, volumeid.Volume, key); err == nil && isCreating(ctrl, id) {
+			return zone, true
+		}
+	}
+	return "", false
 }
 
 func (s *controllerServer) findSnapshotByKey(ctx context.Context, key string) (*backend.Snapshot, error) {

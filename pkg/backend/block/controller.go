@@ -11,6 +11,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
@@ -50,6 +51,8 @@ type Controller struct {
 	// reserved is, per zone, space promised to creations, expansions and
 	// snapshots still copying: not yet visible as an image in the index.
 	reserved map[string]int64
+	// copies are the snapshots still being copied, by id (under mu).
+	copies map[string]*copyJob
 
 	// mounter replays the journal of copied filesystems (replayJournal).
 	mounter *mount.SafeFormatAndMount
@@ -68,6 +71,7 @@ func NewController(pools map[string]string) (*Controller, error) {
 		volumes:   map[string]*backend.Volume{},
 		snapshots: map[string]*backend.Snapshot{},
 		reserved:  map[string]int64{},
+		copies:    map[string]*copyJob{},
 		mounter:   mount.NewSafeFormatAndMount(mount.New(""), utilexec.New()),
 	}
 	for _, zone := range zones {
@@ -318,6 +322,12 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 
 	id := spec.ID.String()
 	defer c.objects.lock(id)()
+	if job := c.copyJobFor(id); job != nil {
+		if !sameCreation(job.vol, spec) {
+			return nil, status.Errorf(codes.AlreadyExists, "volume %s is being created with other parameters (capacity %d bytes, source %+v)", id, job.vol.CapacityBytes, job.vol.Source)
+		}
+		return c.awaitVolumeCopy(ctx, job)
+	}
 	if _, err := c.Volume(ctx, spec.ID); err == nil {
 		return nil, status.Errorf(codes.AlreadyExists, "volume %s already exists", id)
 	}
@@ -335,56 +345,42 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 			return nil, err
 		}
 	}
+	// Everything below is undone on return unless a background copy takes
+	// it over.
+	handedOver := false
+	var undo []func()
+	defer func() {
+		if !handedOver {
+			for i := len(undo) - 1; i >= 0; i-- {
+				undo[i]()
+			}
+		}
+	}()
 	release, err := c.reserve(p, spec.CapacityBytes, "volume "+spec.Name)
 	if err != nil {
 		return nil, err
 	}
-	defer release()
+	undo = append(undo, release)
 
 	tmp, err := tempName(imagePath)
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "creating image of %s: %v", id, err)
 	}
 	published := false
-	defer func() {
+	undo = append(undo, func() {
 		if !published {
 			os.Remove(tmp)
 		}
-	}()
+	})
+	byteCopy := false
 	if sourceImage != "" {
-		if err := c.copyAtOnePoint(ctx, source, sourceImage, tmp); err != nil {
+		unlock, cloned, err := c.cloneSource(ctx, source, sourceImage, tmp)
+		if err != nil {
 			return nil, err
 		}
+		undo = append(undo, unlock)
+		byteCopy = !cloned
 	}
-	if err := growAndSync(tmp, spec.CapacityBytes); err != nil {
-		return nil, status.Errorf(codes.Internal, "sizing image of %s: %v", id, err)
-	}
-	if sourceImage != "" && spec.AccessType == accessmode.Mount {
-		if err := replayJournal(ctx, c.mounter, tmp); err != nil {
-			return nil, status.Errorf(codes.Internal, "preparing the filesystem copied into %s: %v", id, err)
-		}
-		if err := growAndSync(tmp, 0); err != nil { // the replay's writes, to disk
-			return nil, status.Errorf(codes.Internal, "syncing image of %s: %v", id, err)
-		}
-	}
-	if formatsAtCreate(spec.AccessType, spec.Modes, source) {
-		if err := mkfs(ctx, fsOrDefault(spec.FsType), tmp); err != nil {
-			return nil, err
-		}
-		if err := growAndSync(tmp, spec.CapacityBytes); err != nil {
-			return nil, status.Errorf(codes.Internal, "syncing image of %s: %v", id, err)
-		}
-	}
-	fpCreateImageWritten.Hit()
-	if err := os.Rename(tmp, imagePath); err != nil {
-		return nil, status.Errorf(codes.Internal, "publishing image of %s: %v", id, err)
-	}
-	published = true
-	if err := fsutil.SyncDir(p.kindDir(volumeid.Volume)); err != nil {
-		return nil, status.Errorf(codes.Internal, "publishing image of %s: %v", id, err)
-	}
-	fpCreateImagePublished.Hit()
-
 	vol := &backend.Volume{
 		ID:            id,
 		Name:          spec.Name,
@@ -394,25 +390,97 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 		FsType:        spec.FsType,
 		Modes:         slices.Clone(spec.Modes),
 		Parameters:    maps.Clone(spec.Parameters),
-		CreatedAt:     time.Now().UTC(),
 	}
 	if source != nil {
 		s := *source
 		vol.Source = &s
 	}
-	if err := fsutil.WriteJSONAtomic(metaPath, vol); err != nil {
-		// Without metadata the image is a leftover; drop it now rather than
-		// at the next restart.
-		if rerr := fsutil.RemoveDurably(imagePath); rerr != nil {
-			klog.ErrorS(rerr, "Removing image of a volume whose metadata could not be written", "volumeID", id)
+	finish := func(ctx context.Context) error {
+		if byteCopy {
+			if err := copyImage(ctx, sourceImage, tmp); err != nil {
+				return err
+			}
 		}
-		return nil, status.Errorf(codes.Internal, "recording volume %s: %v", id, err)
+		if err := growAndSync(tmp, spec.CapacityBytes); err != nil {
+			return status.Errorf(codes.Internal, "sizing image of %s: %v", id, err)
+		}
+		if sourceImage != "" && spec.AccessType == accessmode.Mount {
+			if err := replayJournal(ctx, c.mounter, tmp); err != nil {
+				return status.Errorf(codes.Internal, "preparing the filesystem copied into %s: %v", id, err)
+			}
+			if err := growAndSync(tmp, 0); err != nil { // the replay's writes, to disk
+				return status.Errorf(codes.Internal, "syncing image of %s: %v", id, err)
+			}
+		}
+		if formatsAtCreate(spec.AccessType, spec.Modes, source) {
+			if err := mkfs(ctx, fsOrDefault(spec.FsType), tmp); err != nil {
+				return err
+			}
+			if err := growAndSync(tmp, spec.CapacityBytes); err != nil {
+				return status.Errorf(codes.Internal, "syncing image of %s: %v", id, err)
+			}
+		}
+		fpCreateImageWritten.Hit()
+		if err := os.Rename(tmp, imagePath); err != nil {
+			return status.Errorf(codes.Internal, "publishing image of %s: %v", id, err)
+		}
+		published = true
+		if err := fsutil.SyncDir(p.kindDir(volumeid.Volume)); err != nil {
+			return status.Errorf(codes.Internal, "publishing image of %s: %v", id, err)
+		}
+		fpCreateImagePublished.Hit()
+		vol.CreatedAt = time.Now().UTC()
+		if err := fsutil.WriteJSONAtomic(metaPath, vol); err != nil {
+			// Without metadata the image is a leftover; drop it now rather
+			// than at the next restart.
+			if rerr := fsutil.RemoveDurably(imagePath); rerr != nil {
+				klog.ErrorS(rerr, "Removing image of a volume whose metadata could not be written", "volumeID", id)
+			}
+			return status.Errorf(codes.Internal, "recording volume %s: %v", id, err)
+		}
+		fpCreateRecorded.Hit()
+		c.mu.Lock()
+		c.volumes[id] = vol
+		c.mu.Unlock()
+		return nil
 	}
-	fpCreateRecorded.Hit()
-	c.mu.Lock()
-	c.volumes[id] = vol
-	c.mu.Unlock()
-	return cloneVolume(vol), nil
+	if !byteCopy {
+		if err := finish(ctx); err != nil {
+			return nil, err
+		}
+		return cloneVolume(vol), nil
+	}
+	handedOver = true
+	job := c.startCopy(id, &copyJob{vol: cloneVolume(vol)}, finish, undo)
+	return c.awaitVolumeCopy(ctx, job)
+}
+
+// sameCreation tells a retry of the creation a background copy is doing
+// from a request for another volume under the same name.
+func sameCreation(v *backend.Volume, spec backend.VolumeSpec) bool {
+	src := backend.Source{}
+	if spec.Source != nil {
+		src = *spec.Source
+	}
+	have := backend.Source{}
+	if v.Source != nil {
+		have = *v.Source
+	}
+	return v.CapacityBytes == spec.CapacityBytes && v.AccessType == spec.AccessType && v.FsType == spec.FsType && have == src
+}
+
+// awaitVolumeCopy waits for a new volume's background copy until shortly
+// before the call's deadline. CSI has no "not ready yet" for a volume:
+// until the copy is done the answer is ABORTED (the CO retries, and the
+// retry waits for the same copy), then the volume.
+func (c *Controller) awaitVolumeCopy(ctx context.Context, job *copyJob) (*backend.Volume, error) {
+	if !c.awaitCopy(ctx, job) {
+		return nil, status.Errorf(codes.Aborted, "volume %s is still being copied from %+v; CreateVolume again returns it once the copy is done", job.vol.ID, *job.vol.Source)
+	}
+	if job.err != nil {
+		return nil, job.err
+	}
+	return cloneVolume(job.vol), nil
 }
 
 // Steps a test can kill the controller at (package faultpoint): after each,
@@ -427,54 +495,61 @@ var (
 	fpExpandImageGrown     = faultpoint.New("block.expand.image-grown")
 )
 
-// copyAtOnePoint copies a new volume's source image. A snapshot never
-// changes; a volume may be in use and goes through copyVolumeAtOnePoint,
-// under its lock so that no attach slips in while it is copied.
-func (c *Controller) copyAtOnePoint(ctx context.Context, src *backend.Source, image, dst string) error {
+// cloneSource starts the copy of a new volume's source image into dst: a
+// reflink clone where the pool has them (cloned), else nothing yet, the
+// caller making the byte copy. A snapshot never changes. A volume may be
+// in use (cloneOrVet): it stays locked, so that no attach slips in, until
+// the caller is done copying and calls unlock.
+func (c *Controller) cloneSource(ctx context.Context, src *backend.Source, image, dst string) (unlock func(), cloned bool, err error) {
 	if src.VolumeID == "" {
-		if err := cloneImage(image, dst); err == nil || !errors.Is(err, errNoReflink) {
-			if err != nil {
-				return status.Errorf(codes.Internal, "cloning %s: %v", filepath.Base(image), err)
-			}
-			return nil
+		err := cloneImage(image, dst)
+		if err != nil && !errors.Is(err, errNoReflink) {
+			return nil, false, status.Errorf(codes.Internal, "cloning %s: %v", filepath.Base(image), err)
 		}
-		return copyImage(ctx, image, dst)
+		return func() {}, err == nil, nil
 	}
-	defer c.objects.lock(src.VolumeID)()
+	unlock = c.objects.lock(src.VolumeID)
 	id, err := volumeid.ParseKind(src.VolumeID, volumeid.Volume)
 	if err != nil {
-		return status.Errorf(codes.NotFound, "source volume: %v", err)
+		unlock()
+		return nil, false, status.Errorf(codes.NotFound, "source volume: %v", err)
 	}
 	vol, err := c.Volume(ctx, id)
-	if err != nil {
-		return err
+	if err == nil {
+		cloned, err = c.cloneOrVet(vol, image, dst)
 	}
-	return c.copyVolumeAtOnePoint(ctx, vol, image, dst)
+	if err != nil {
+		unlock()
+		return nil, false, err
+	}
+	return unlock, cloned, nil
 }
 
-// copyVolumeAtOnePoint copies a volume's image as it was at one instant, so
-// that every write acknowledged before the copy began is in it and nothing
-// is torn (crash-consistent). A reflink clone is that instant wherever the
-// pool's filesystem has reflinks. Elsewhere a byte copy is only a point in
-// time when nothing writes the image, so a volume attached for writing (or
-// bound read-write to a loop device on this machine) is refused rather than
-// copied while it moves. The caller holds the volume's lock.
-func (c *Controller) copyVolumeAtOnePoint(ctx context.Context, vol *backend.Volume, image, dst string) error {
-	err := cloneImage(image, dst)
+// cloneOrVet makes sure a copy of a volume's image is the image as it was
+// at one instant, so that every write acknowledged before the copy began is
+// in it and nothing is torn (crash-consistent). A reflink clone is that
+// instant wherever the pool's filesystem has reflinks: then dst holds the
+// copy and cloned is true. Elsewhere a byte copy is only a point in time
+// when nothing writes the image, so a volume attached for writing (or bound
+// read-write to a loop device on this machine) is refused rather than
+// copied while it moves; otherwise the caller makes the byte copy. The
+// caller holds the volume's lock until the copy is done.
+func (c *Controller) cloneOrVet(vol *backend.Volume, image, dst string) (cloned bool, err error) {
+	err = cloneImage(image, dst)
 	if err == nil {
-		return nil
+		return true, nil
 	}
 	if !errors.Is(err, errNoReflink) {
-		return status.Errorf(codes.Internal, "cloning the image of %s: %v", vol.ID, err)
+		return false, status.Errorf(codes.Internal, "cloning the image of %s: %v", vol.ID, err)
 	}
 	if writer, err := writerOf(vol, image); err != nil {
-		return status.Errorf(codes.Unavailable, "cannot tell whether volume %s is being written, so it is not copied (its pool has no reflinks): %v", vol.ID, err)
+		return false, status.Errorf(codes.Unavailable, "cannot tell whether volume %s is being written, so it is not copied (its pool has no reflinks): %v", vol.ID, err)
 	} else if writer != "" {
-		return status.Errorf(codes.FailedPrecondition,
+		return false, status.Errorf(codes.FailedPrecondition,
 			"volume %s is %s, and its pool's filesystem cannot clone files (no reflink): a copy of an image in use could be torn and miss acknowledged writes. "+
 				"Copy it once no node has it attached for writing, or keep the zone's pool on a filesystem with reflinks (xfs with reflink=1, btrfs)", vol.ID, writer)
 	}
-	return copyImage(ctx, image, dst)
+	return false, nil
 }
 
 // writerOf says who may be writing a volume's image, or "" if nobody can:
@@ -553,6 +628,10 @@ func (c *Controller) sourceImage(src *backend.Source, capacity int64) (string, e
 	}
 	var size int64
 	c.mu.Lock()
+	if job, copying := c.copies[raw]; copying && job.vol == nil {
+		c.mu.Unlock()
+		return "", status.Errorf(codes.Unavailable, "source snapshot %s is still being copied; retry once it is ready to use", raw)
+	}
 	if kind == volumeid.Snapshot {
 		if s, found := c.snapshots[raw]; found {
 			size = s.SizeBytes
@@ -594,6 +673,10 @@ func (c *Controller) Volume(ctx context.Context, id volumeid.ID) (*backend.Volum
 // DeleteVolume removes the metadata, then the image, so that a crash in
 // between leaves an image without metadata, which the next start removes.
 func (c *Controller) DeleteVolume(ctx context.Context, id volumeid.ID) error {
+	// A restore or clone still copying is cancelled: the CO gave up on it.
+	if err := c.cancelCopy(ctx, id); err != nil {
+		return err
+	}
 	return c.deleteObject(id, volumeid.Volume)
 }
 
@@ -750,6 +833,14 @@ func imageHealth(imagePath string, capacity int64) backend.Health {
 
 // CreateSnapshot copies the source volume's image. The snapshot lives in
 // the source's pool, so the copy can share extents with it.
+//
+// A reflink clone is instant and done within the call. A byte copy (a pool
+// without reflinks, of a volume nobody writes) may take longer than the
+// CO's deadline: it goes on in the background, holding the source's lock
+// (no attach slips in) and its space reservation, and the call answers
+// with the snapshot not ready to use just before its deadline. Retries,
+// and Snapshot and ListSnapshots, answer the same until the copy is done;
+// a retry never starts the copy again. DeleteSnapshot cancels it.
 func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name string, source volumeid.ID) (*backend.Snapshot, error) {
 	p, err := c.poolFor(id, volumeid.Snapshot)
 	if err != nil {
@@ -763,14 +854,28 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 	}
 	defer c.objects.lock(id.String())()
 	if existing, err := c.Snapshot(ctx, id); err == nil {
-		if existing.SourceVolumeID == source.String() {
-			return existing, nil
+		if existing.SourceVolumeID != source.String() {
+			return nil, status.Errorf(codes.AlreadyExists, "snapshot %s already exists with source volume %s", id, existing.SourceVolumeID)
 		}
-		return nil, status.Errorf(codes.AlreadyExists, "snapshot %s already exists with source volume %s", id, existing.SourceVolumeID)
+		if job := c.copyJobFor(id.String()); job != nil {
+			return c.awaitSnapshotCopy(ctx, job)
+		}
+		return existing, nil
 	}
+	// Everything below is undone on return unless the background copy
+	// takes it over.
+	handedOver := false
+	var undo []func()
+	defer func() {
+		if !handedOver {
+			for i := len(undo) - 1; i >= 0; i-- {
+				undo[i]()
+			}
+		}
+	}()
 	// The source's attachments cannot change while it is copied: an
 	// attach waits, so "nobody writes it" stays true to the end.
-	defer c.objects.lock(source.String())()
+	undo = append(undo, c.objects.lock(source.String()))
 	vol, err := c.Volume(ctx, source)
 	if err != nil {
 		return nil, err
@@ -796,31 +901,21 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 	if err != nil {
 		return nil, err
 	}
-	defer release()
+	undo = append(undo, release)
 
 	tmp, err := tempName(imagePath)
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "creating image of %s: %v", id, err)
 	}
 	published := false
-	defer func() {
+	undo = append(undo, func() {
 		if !published {
 			os.Remove(tmp)
 		}
-	}()
-	if err := c.copyVolumeAtOnePoint(ctx, vol, sourceImage, tmp); err != nil {
+	})
+	cloned, err := c.cloneOrVet(vol, sourceImage, tmp)
+	if err != nil {
 		return nil, err
-	}
-	if err := growAndSync(tmp, 0); err != nil { // size 0: only mode and fsync
-		return nil, status.Errorf(codes.Internal, "syncing image of %s: %v", id, err)
-	}
-	fpSnapshotCopied.Hit()
-	if err := os.Rename(tmp, imagePath); err != nil {
-		return nil, status.Errorf(codes.Internal, "publishing image of %s: %v", id, err)
-	}
-	published = true
-	if err := fsutil.SyncDir(p.kindDir(volumeid.Snapshot)); err != nil {
-		return nil, status.Errorf(codes.Internal, "publishing image of %s: %v", id, err)
 	}
 	snap := &backend.Snapshot{
 		ID:             id.String(),
@@ -831,23 +926,166 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 		AccessType:     vol.AccessType,
 		FsType:         vol.FsType,
 	}
-	if err := fsutil.WriteJSONAtomic(metaPath, snap); err != nil {
-		if rerr := fsutil.RemoveDurably(imagePath); rerr != nil {
-			klog.ErrorS(rerr, "Removing image of a snapshot whose metadata could not be written", "snapshotID", id.String())
+	finish := func(ctx context.Context) error {
+		if !cloned {
+			if err := copyImage(ctx, sourceImage, tmp); err != nil {
+				return err
+			}
 		}
-		return nil, status.Errorf(codes.Internal, "recording snapshot %s: %v", id, err)
+		if err := growAndSync(tmp, 0); err != nil { // size 0: only mode and fsync
+			return status.Errorf(codes.Internal, "syncing image of %s: %v", id, err)
+		}
+		fpSnapshotCopied.Hit()
+		if err := os.Rename(tmp, imagePath); err != nil {
+			return status.Errorf(codes.Internal, "publishing image of %s: %v", id, err)
+		}
+		published = true
+		if err := fsutil.SyncDir(p.kindDir(volumeid.Snapshot)); err != nil {
+			return status.Errorf(codes.Internal, "publishing image of %s: %v", id, err)
+		}
+		if err := fsutil.WriteJSONAtomic(metaPath, snap); err != nil {
+			if rerr := fsutil.RemoveDurably(imagePath); rerr != nil {
+				klog.ErrorS(rerr, "Removing image of a snapshot whose metadata could not be written", "snapshotID", id.String())
+			}
+			return status.Errorf(codes.Internal, "recording snapshot %s: %v", id, err)
+		}
+		c.mu.Lock()
+		c.snapshots[snap.ID] = snap
+		c.mu.Unlock()
+		return nil
 	}
-	c.mu.Lock()
-	c.snapshots[snap.ID] = snap
-	c.mu.Unlock()
-	s := *snap
-	return &s, nil
+	if cloned {
+		if err := finish(ctx); err != nil {
+			return nil, err
+		}
+		out := *snap
+		return &out, nil
+	}
+	handedOver = true
+	job := &copyJob{snap: *snap}
+	job.snap.Cutting = true
+	return c.awaitSnapshotCopy(ctx, c.startCopy(snap.ID, job, finish, undo))
 }
 
-// Snapshot returns the recorded snapshot.
+// copyJob is a byte copy that may outlive the call that started it: a
+// snapshot's (snap) or a new volume's (vol, a restore or a clone).
+type copyJob struct {
+	snap   backend.Snapshot // as it will be recorded; Cutting while copying
+	vol    *backend.Volume  // as it will be recorded
+	done   chan struct{}
+	err    error // set before done is closed
+	cancel context.CancelFunc
+}
+
+// copiesStarted counts the byte copies started in the background, so a
+// test can tell a retry that waits from one that starts over.
+var copiesStarted atomic.Int64
+
+// startCopy runs finish in the background under a context of its own (the
+// call's ends with the call), then undoes what the copy held (the source's
+// lock, the reservation, a temporary file), last first.
+func (c *Controller) startCopy(id string, job *copyJob, finish func(context.Context) error, undo []func()) *copyJob {
+	ctx, cancel := context.WithCancel(context.Background())
+	job.done, job.cancel = make(chan struct{}), cancel
+	c.mu.Lock()
+	c.copies[id] = job
+	c.mu.Unlock()
+	copiesStarted.Add(1)
+	go func() {
+		err := finish(ctx)
+		for i := len(undo) - 1; i >= 0; i-- {
+			undo[i]()
+		}
+		cancel()
+		if err != nil {
+			klog.ErrorS(err, "A background copy failed; the next call starts it again", "id", id)
+		} else {
+			klog.InfoS("Background copy done", "id", id)
+		}
+		c.mu.Lock()
+		delete(c.copies, id)
+		job.err = err
+		c.mu.Unlock()
+		close(job.done)
+	}()
+	return job
+}
+
+// Creating reports whether volume id is being created by a background copy
+// (a restore or a clone): not there yet, but a retry must wait for it.
+func (c *Controller) Creating(id volumeid.ID) bool {
+	job := c.copyJobFor(id.String())
+	return job != nil && job.vol != nil
+}
+
+func (c *Controller) copyJobFor(id string) *copyJob {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.copies[id]
+}
+
+// cancelCopy stops the background copy of id, if there is one, and waits
+// until it has undone what it held.
+func (c *Controller) cancelCopy(ctx context.Context, id volumeid.ID) error {
+	job := c.copyJobFor(id.String())
+	if job == nil {
+		return nil
+	}
+	job.cancel()
+	select {
+	case <-job.done:
+		return nil
+	case <-ctx.Done():
+		return status.Errorf(codes.Aborted, "the copy of %s is still being cancelled: %v", id, ctx.Err())
+	}
+}
+
+// awaitCopy waits for a background copy until shortly before the call's
+// deadline and reports whether it is done (then job.err says how).
+func (c *Controller) awaitCopy(ctx context.Context, job *copyJob) bool {
+	var early <-chan time.Time
+	if deadline, ok := ctx.Deadline(); ok {
+		// Answer with a fifth of the time left to spare (at least 10ms,
+		// at most a second): a late answer is a DEADLINE_EXCEEDED.
+		left := time.Until(deadline)
+		spare := min(max(left/5, 10*time.Millisecond), time.Second)
+		t := time.NewTimer(max(left-spare, 0))
+		defer t.Stop()
+		early = t.C
+	}
+	select {
+	case <-job.done:
+		return true
+	case <-early:
+	case <-ctx.Done():
+	}
+	return false
+}
+
+// awaitSnapshotCopy answers with the snapshot as it stands shortly before
+// the call's deadline: ready once the copy is done, not ready (Cutting)
+// while it goes on, the copy's error if it failed.
+func (c *Controller) awaitSnapshotCopy(ctx context.Context, job *copyJob) (*backend.Snapshot, error) {
+	out := job.snap
+	if !c.awaitCopy(ctx, job) {
+		return &out, nil
+	}
+	if job.err != nil {
+		return nil, job.err
+	}
+	out.Cutting = false
+	return &out, nil
+}
+
+// Snapshot returns the recorded snapshot, or one still being copied
+// (Cutting).
 func (c *Controller) Snapshot(ctx context.Context, id volumeid.ID) (*backend.Snapshot, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if job, ok := c.copies[id.String()]; ok && job.vol == nil {
+		out := job.snap
+		return &out, nil
+	}
 	s, ok := c.snapshots[id.String()]
 	if !ok {
 		return nil, status.Errorf(codes.NotFound, "snapshot %s does not exist", id)
@@ -858,17 +1096,27 @@ func (c *Controller) Snapshot(ctx context.Context, id volumeid.ID) (*backend.Sna
 
 // DeleteSnapshot removes a snapshot. Volumes restored from it are full
 // copies and do not depend on it.
+// A snapshot still being copied is cancelled first.
 func (c *Controller) DeleteSnapshot(ctx context.Context, id volumeid.ID) error {
+	if err := c.cancelCopy(ctx, id); err != nil {
+		return err
+	}
 	return c.deleteObject(id, volumeid.Snapshot)
 }
 
 // ListSnapshots returns copies of every snapshot, sorted by id.
 func (c *Controller) ListSnapshots(ctx context.Context) ([]*backend.Snapshot, error) {
 	c.mu.Lock()
-	out := make([]*backend.Snapshot, 0, len(c.snapshots))
+	out := make([]*backend.Snapshot, 0, len(c.snapshots)+len(c.copies))
 	for _, s := range c.snapshots {
 		cp := *s
 		out = append(out, &cp)
+	}
+	for _, job := range c.copies {
+		if job.vol == nil {
+			cp := job.snap
+			out = append(out, &cp)
+		}
 	}
 	c.mu.Unlock()
 	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })

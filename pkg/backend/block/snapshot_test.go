@@ -2,9 +2,13 @@ package block
 
 import (
 	"context"
+	"crypto/rand"
 	"fmt"
+	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -12,6 +16,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/volumeid"
 	"github.com/modeguard/modeguard/test/testenv"
 	"google.golang.org/grpc/codes"
 )
@@ -236,4 +241,178 @@ func snapshotsWhileWriting(t *testing.T, f *fixture, kind string, reflinks bool)
 		checkRecords(t, filepath.Join(r.StagingPath, "log"), last.acked)
 	}
 	f.unstage(t, r)
+}
+
+// fillImage writes n bytes of random data into the volume's image, so a
+// byte copy of it has real work to do.
+func fillImage(t *testing.T, f *fixture, id volumeid.ID, n int64) {
+	t.Helper()
+	out, err := os.OpenFile(imageOf(t, f, id), os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer out.Close()
+	if _, err := io.CopyN(out, rand.Reader, n); err != nil {
+		t.Fatal(err)
+	}
+	if err := out.Sync(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// shortCall is a call whose deadline is far shorter than the copy.
+func shortCall(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// TestLongSnapshotCopyOutlivesTheCall: a byte copy longer than the call's
+// deadline goes on in the background; the call and its retries answer in
+// time with the snapshot not ready to use (Snapshot and ListSnapshots too),
+// no retry starts the copy again, and the finished snapshot holds the
+// source's bytes. A restore as long answers ABORTED until its copy is done,
+// then the volume, again with one copy. DeleteSnapshot and DeleteVolume
+// during a copy cancel it and leave nothing behind, and the space it held
+// is free again.
+func TestLongSnapshotCopyOutlivesTheCall(t *testing.T) {
+	f := newFixture(t, "zone-a")
+	spec := mountSpec(t, "zone-a", "big", "", 512*mib)
+	spec.AccessType = accessmode.Block
+	f.create(t, spec)
+	fillImage(t, f, spec.ID, 384*mib)
+
+	started := copiesStarted.Load()
+	sid := snapID(t, "zone-a", "slow")
+	s, err := f.ctrl.CreateSnapshot(shortCall(t), sid, "slow", spec.ID)
+	if err != nil {
+		t.Fatalf("CreateSnapshot with a short deadline: %v", err)
+	}
+	if !s.Cutting {
+		t.Fatal("a 384 MiB byte copy finished within a 20ms call: the test proves nothing on this machine")
+	}
+	if got, err := f.ctrl.Snapshot(context.Background(), sid); err != nil || !got.Cutting {
+		t.Fatalf("Snapshot during the copy: %+v, %v; want it listed, not ready", got, err)
+	}
+	if all, _ := f.ctrl.ListSnapshots(context.Background()); len(all) != 1 || !all[0].Cutting {
+		t.Fatalf("ListSnapshots during the copy: %+v; want the snapshot, not ready", all)
+	}
+	restore := mountSpec(t, "zone-a", "too-early", "", 512*mib)
+	restore.AccessType = accessmode.Block
+	restore.Source = &backend.Source{SnapshotID: sid.String()}
+	_, err = f.ctrl.CreateVolume(context.Background(), restore)
+	wantCode(t, err, codes.Unavailable)
+
+	deadline := time.Now().Add(time.Minute)
+	for s.Cutting {
+		if time.Now().After(deadline) {
+			t.Fatal("the copy did not finish within a minute")
+		}
+		if s, err = f.ctrl.CreateSnapshot(shortCall(t), sid, "slow", spec.ID); err != nil {
+			t.Fatalf("CreateSnapshot retried during the copy: %v", err)
+		}
+	}
+	if n := copiesStarted.Load() - started; n != 1 {
+		t.Fatalf("%d copies started for one snapshot and its retries, want 1", n)
+	}
+	if !sameFiles(t, imageOf(t, f, spec.ID), imageOf(t, f, sid)) {
+		t.Fatal("the finished snapshot's image differs from its source's")
+	}
+
+	// A restore is a byte copy as long: ABORTED until it is done, retries
+	// wait for the same copy, another capacity under the name is refused.
+	started = copiesStarted.Load()
+	restored := mountSpec(t, "zone-a", "restored", "", 512*mib)
+	restored.AccessType = accessmode.Block
+	restored.Source = &backend.Source{SnapshotID: sid.String()}
+	_, err = f.ctrl.CreateVolume(shortCall(t), restored)
+	wantCode(t, err, codes.Aborted)
+	other := restored
+	other.CapacityBytes = 1024 * mib
+	_, err = f.ctrl.CreateVolume(context.Background(), other)
+	wantCode(t, err, codes.AlreadyExists)
+	if _, err := f.ctrl.Volume(context.Background(), restored.ID); codeOf(err) != codes.NotFound {
+		t.Fatalf("Volume during the copy: %v; want NotFound until it is complete", err)
+	}
+	for {
+		if time.Now().After(deadline) {
+			t.Fatal("the restore did not finish within a minute")
+		}
+		_, err := f.ctrl.CreateVolume(shortCall(t), restored)
+		if err == nil {
+			break
+		}
+		wantCode(t, err, codes.Aborted)
+	}
+	if n := copiesStarted.Load() - started; n != 1 {
+		t.Fatalf("%d copies started for one restore and its retries, want 1", n)
+	}
+	if !sameFiles(t, imageOf(t, f, spec.ID), imageOf(t, f, restored.ID)) {
+		t.Fatal("the restored image differs from the snapshot's source")
+	}
+
+	// Deleted while copying: cancelled, nothing left, room given back.
+	before, err := f.ctrl.Capacity(context.Background(), "zone-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone := snapID(t, "zone-a", "cancelled")
+	if s, err := f.ctrl.CreateSnapshot(shortCall(t), gone, "cancelled", spec.ID); err != nil || !s.Cutting {
+		t.Fatalf("CreateSnapshot: %+v, %v; want a copy in progress", s, err)
+	}
+	if err := f.ctrl.DeleteSnapshot(context.Background(), gone); err != nil {
+		t.Fatalf("DeleteSnapshot during the copy: %v", err)
+	}
+	if _, err := f.ctrl.Snapshot(context.Background(), gone); codeOf(err) != codes.NotFound {
+		t.Fatalf("Snapshot after DeleteSnapshot: %v, want NotFound", err)
+	}
+	entries, err := os.ReadDir(filepath.Dir(imageOf(t, f, gone)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		if strings.Contains(e.Name(), tempMarker) {
+			t.Fatalf("a cancelled copy left %s", e.Name())
+		}
+	}
+	if after, err := f.ctrl.Capacity(context.Background(), "zone-a"); err != nil || after < before {
+		t.Fatalf("capacity %d after the cancelled copy (%v), %d before: its reservation is still held", after, err, before)
+	}
+	// The same for a restore deleted while it copies.
+	dropped := mountSpec(t, "zone-a", "dropped", "", 512*mib)
+	dropped.AccessType = accessmode.Block
+	dropped.Source = &backend.Source{SnapshotID: sid.String()}
+	_, err = f.ctrl.CreateVolume(shortCall(t), dropped)
+	wantCode(t, err, codes.Aborted)
+	if err := f.ctrl.DeleteVolume(context.Background(), dropped.ID); err != nil {
+		t.Fatalf("DeleteVolume during the copy: %v", err)
+	}
+	if _, err := f.ctrl.Volume(context.Background(), dropped.ID); codeOf(err) != codes.NotFound {
+		t.Fatalf("Volume after DeleteVolume: %v, want NotFound", err)
+	}
+	if exists(imageOf(t, f, dropped.ID)) {
+		t.Fatal("a cancelled restore left its image")
+	}
+	entries, err = os.ReadDir(filepath.Dir(imageOf(t, f, dropped.ID)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		if strings.Contains(e.Name(), tempMarker) {
+			t.Fatalf("a cancelled restore left %s", e.Name())
+		}
+	}
+	if after, err := f.ctrl.Capacity(context.Background(), "zone-a"); err != nil || after < before {
+		t.Fatalf("capacity %d after the cancelled restore (%v), %d before: its reservation is still held", after, err, before)
+	}
+}
+
+func sameFiles(t *testing.T, a, b string) bool {
+	t.Helper()
+	out, err := exec.Command("cmp", "--quiet", a, b).CombinedOutput()
+	if err != nil {
+		t.Logf("cmp %s %s: %v %s", a, b, err, out)
+		return false
+	}
+	return true
 }

@@ -1,0 +1,119 @@
+package driver_test
+
+import (
+	"context"
+	"crypto/rand"
+	"io"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+)
+
+// onDiskPool puts the env's pool on the test's own disk directory: a
+// filesystem without reflinks where a copy has real bytes to move.
+func onDiskPool(t *testing.T) func(*env) {
+	return func(e *env) {
+		e.pool = filepath.Join(t.TempDir(), "pool-"+testZone)
+	}
+}
+
+// TestLongCopiesAnswerInTime: through the CSI API, a snapshot and a
+// restore whose byte copies outlast a call's deadline are answered within
+// it: the snapshot with ready_to_use=false until the copy is done, the
+// restore with ABORTED until its copy is done and then with the volume.
+// Retries keep the same snapshot id, and the restore holds the data.
+func TestLongCopiesAnswerInTime(t *testing.T) {
+	e := newEnv(t, 0, onDiskPool(t))
+	const size = 512 * mib
+	create := func(ctx context.Context, name string, src *csi.VolumeContentSource) (*csi.CreateVolumeResponse, error) {
+		return e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{
+			Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: size},
+			VolumeCapabilities:  []*csi.VolumeCapability{blockCap(accessmode.SingleNodeWriter)},
+			VolumeContentSource: src,
+		})
+	}
+	resp, err := create(ctx(t), "long-source", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srcID := resp.GetVolume().GetVolumeId()
+	images, _ := filepath.Glob(filepath.Join(e.pool, "volumes", "*.img"))
+	if len(images) != 1 {
+		t.Fatalf("images in the pool: %v", images)
+	}
+	out, err := os.OpenFile(images[0], os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.CopyN(out, rand.Reader, 384*mib); err != nil {
+		t.Fatal(err)
+	}
+	if err := out.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	short := func() context.Context {
+		c, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+		t.Cleanup(cancel)
+		return c
+	}
+	snap, err := e.ctrl.CreateSnapshot(short(), &csi.CreateSnapshotRequest{Name: "long-snap", SourceVolumeId: srcID})
+	if err != nil {
+		t.Fatalf("CreateSnapshot within a 20ms deadline: %v", err)
+	}
+	if snap.GetSnapshot().GetReadyToUse() {
+		t.Fatal("a 384 MiB byte copy was ready within a 20ms call: the test proves nothing on this machine")
+	}
+	snapID := snap.GetSnapshot().GetSnapshotId()
+	t.Cleanup(func() { _, _ = e.ctrl.DeleteSnapshot(ctx(t), &csi.DeleteSnapshotRequest{SnapshotId: snapID}) })
+	list, err := e.ctrl.ListSnapshots(ctx(t), &csi.ListSnapshotsRequest{SnapshotId: snapID})
+	if err != nil || len(list.GetEntries()) != 1 || list.GetEntries()[0].GetSnapshot().GetReadyToUse() {
+		t.Fatalf("ListSnapshots during the copy: %v, %v; want the snapshot, not ready", list, err)
+	}
+	deadline := time.Now().Add(time.Minute)
+	for !snap.GetSnapshot().GetReadyToUse() {
+		if time.Now().After(deadline) {
+			t.Fatal("the snapshot was not ready within a minute")
+		}
+		if snap, err = e.ctrl.CreateSnapshot(short(), &csi.CreateSnapshotRequest{Name: "long-snap", SourceVolumeId: srcID}); err != nil {
+			t.Fatalf("CreateSnapshot retried: %v", err)
+		}
+		if snap.GetSnapshot().GetSnapshotId() != snapID {
+			t.Fatalf("the retry answered snapshot %s, the first call %s", snap.GetSnapshot().GetSnapshotId(), snapID)
+		}
+	}
+
+	source := &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+		Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snapID}}}
+	_, err = create(short(), "long-restore", source)
+	if status.Code(err) != codes.Aborted {
+		t.Fatalf("CreateVolume from the snapshot within 20ms: %v, want ABORTED while the copy goes on", err)
+	}
+	var restoredID string
+	for restoredID == "" {
+		if time.Now().After(deadline) {
+			t.Fatal("the restore was not done within a minute")
+		}
+		r, err := create(short(), "long-restore", source)
+		switch status.Code(err) {
+		case codes.OK:
+			restoredID = r.GetVolume().GetVolumeId()
+		case codes.Aborted:
+		default:
+			t.Fatalf("CreateVolume retried: %v", err)
+		}
+	}
+	t.Cleanup(func() { _, _ = e.ctrl.DeleteVolume(ctx(t), &csi.DeleteVolumeRequest{VolumeId: restoredID}) })
+	images, _ = filepath.Glob(filepath.Join(e.pool, "volumes", "*.img"))
+	if len(images) != 2 {
+		t.Fatalf("images in the pool after one restore and its retries: %v, want the source's and the restore's", images)
+	}
+	t.Cleanup(func() { _, _ = e.ctrl.DeleteVolume(ctx(t), &csi.DeleteVolumeRequest{VolumeId: srcID}) })
+}
