@@ -423,7 +423,9 @@ func (n *Node) Expand(ctx context.Context, staged *backend.Staged) (int64, error
 	if err != nil {
 		return 0, err
 	}
-	ours, err := loop.IsBackedBy(staged.Device, image)
+	// The image itself, by inode: a device still bound to a deleted image of
+	// this name would be refreshed to that file's size.
+	ours, err := loop.BoundTo(staged.Device, image)
 	if err != nil {
 		return 0, status.Errorf(codes.Internal, "inspecting %s: %v", staged.Device, err)
 	}
@@ -472,11 +474,11 @@ func (n *Node) Health(ctx context.Context, staged *backend.Staged) backend.Healt
 	case backing == "":
 		return backend.Health{Abnormal: true, Reason: "LoopDeviceDetached", Message: fmt.Sprintf("loop device %s is no longer attached", staged.Device)}
 	}
-	if ours, err := loop.IsBackedBy(staged.Device, image); err != nil || !ours {
+	if ours, err := loop.NamedBy(staged.Device, image); err != nil || !ours {
 		return backend.Health{Abnormal: true, Reason: "LoopDeviceReassigned", Message: fmt.Sprintf("loop device %s is now backed by %s, not by the volume's image", staged.Device, backing)}
 	}
-	if strings.HasSuffix(backing, " (deleted)") {
-		return backend.Health{Abnormal: true, Reason: "ImageReplaced", Message: fmt.Sprintf("loop device %s is backed by a deleted copy of the volume's image", staged.Device)}
+	if same, err := loop.BoundTo(staged.Device, image); err != nil || !same {
+		return backend.Health{Abnormal: true, Reason: "ImageReplaced", Message: fmt.Sprintf("loop device %s is backed by another file of the volume's image name (%s), not by the image there now", staged.Device, backing)}
 	}
 	if staged.AccessType == accessmode.Mount {
 		notMnt, err := n.mounter.IsLikelyNotMountPoint(staged.StagingPath)

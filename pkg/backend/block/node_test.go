@@ -591,3 +591,38 @@ func hasCapSysResource(t *testing.T) bool {
 	t.Fatal("no CapEff in /proc/self/status")
 	return false
 }
+
+// TestExpandRefusesADeviceOfAReplacedImage: a volume deleted and created
+// again reuses its image's name. A device still bound to the deleted image
+// is not the volume any more: Expand refuses it (it would refresh to the
+// old file's size), health says the image was replaced, and Unstage still
+// cleans it up.
+func TestExpandRefusesADeviceOfAReplacedImage(t *testing.T) {
+	f := newFixture(t, "zone-a")
+	ctx := context.Background()
+	spec := mountSpec(t, "zone-a", "reborn", "", 16*mib)
+	spec.AccessType = accessmode.Block
+	f.create(t, spec)
+	f.attach(t, spec.ID, writer("n1"))
+	req := f.mountReq(spec.ID, "n1", "reborn", false)
+	req.AccessType = accessmode.Block
+	staged := f.stage(t, req)
+
+	image := imageOf(t, f, spec.ID)
+	if err := os.Remove(image); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(image, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(image, 32*mib); err != nil {
+		t.Fatal(err)
+	}
+	_, err := f.node.Expand(ctx, staged)
+	wantCode(t, err, codes.FailedPrecondition)
+	if h := f.node.Health(ctx, staged); !h.Abnormal || h.Reason != "ImageReplaced" {
+		t.Fatalf("health of a device bound to the replaced image: %+v", h)
+	}
+	f.unstage(t, staged)
+	assertNothingStagedUnder(t, f.root)
+}

@@ -171,10 +171,14 @@ func BackingFile(dev string) (string, error) {
 	return v, err
 }
 
-// IsBackedBy reports whether dev is bound to image right now, also when the
-// image has been unlinked since. The kernel records the path with symlinks
-// resolved, so image's directory is resolved the same way before comparing.
-func IsBackedBy(dev, image string) (bool, error) {
+// NamedBy reports whether dev is bound to a file of image's name: the image
+// now, or an earlier file of that name since unlinked (the kernel's
+// " (deleted)" marker). That is the test for cleaning up: a device left
+// bound to a deleted image of this name is this name's garbage. It is not
+// the test for "dev is this image" (a volume deleted and created again
+// reuses the name): that is BoundTo. The kernel records the path with
+// symlinks resolved, so image's directory is resolved the same way.
+func NamedBy(dev, image string) (bool, error) {
 	backing, err := BackingFile(dev)
 	if err != nil || backing == "" {
 		return false, err
@@ -236,11 +240,12 @@ func canonical(path string) (string, error) {
 	return filepath.Join(dir, filepath.Base(abs)), nil
 }
 
-// DetachIfBackedBy detaches dev only if it is bound to image, so a device
+// DetachIfBackedBy detaches dev only if it is bound to a file of image's
+// name (NamedBy: the image, or a deleted one of that name), so a device
 // that has since been handed to someone else is never taken from them. It
 // reports whether it detached anything.
 func DetachIfBackedBy(ctx context.Context, dev, image string) (bool, error) {
-	ours, err := IsBackedBy(dev, image)
+	ours, err := NamedBy(dev, image)
 	if err != nil || !ours {
 		return false, err
 	}
@@ -351,7 +356,7 @@ func Unused(image string) ([]string, error) {
 	}
 	var bound []string
 	for _, a := range all {
-		if ok, err := IsBackedBy(a.Device, image); err == nil && ok {
+		if ok, err := NamedBy(a.Device, image); err == nil && ok {
 			bound = append(bound, a.Device)
 		}
 	}

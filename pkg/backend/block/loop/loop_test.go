@@ -91,8 +91,8 @@ func TestAttachSizeRefreshAndDetach(t *testing.T) {
 	if !dev.DirectIO {
 		t.Errorf("%s on %s uses buffered I/O; this filesystem supports O_DIRECT", dev.Path, dir)
 	}
-	if ours, err := IsBackedBy(dev.Path, image); err != nil || !ours {
-		t.Fatalf("IsBackedBy = %v, %v", ours, err)
+	if ours, err := NamedBy(dev.Path, image); err != nil || !ours {
+		t.Fatalf("NamedBy = %v, %v", ours, err)
 	}
 	if size, err := Size(dev.Path); err != nil || size != 16*mib {
 		t.Fatalf("Size = %d, %v; want %d", size, err, 16*mib)
@@ -145,7 +145,7 @@ func TestAttachReadOnly(t *testing.T) {
 	}
 }
 
-func TestIsBackedByRecognisesAnUnlinkedImage(t *testing.T) {
+func TestNamedByRecognisesAnUnlinkedImage(t *testing.T) {
 	dir := scratch(t)
 	image := filepath.Join(dir, "gone.img")
 	sparseFile(t, image, 8*mib)
@@ -165,7 +165,7 @@ func TestIsBackedByRecognisesAnUnlinkedImage(t *testing.T) {
 	}
 }
 
-func TestIsBackedByResolvesSymlinkedDirectories(t *testing.T) {
+func TestNamedByResolvesSymlinkedDirectories(t *testing.T) {
 	dir := scratch(t)
 	real := filepath.Join(dir, "real")
 	if err := os.Mkdir(real, 0o700); err != nil {
@@ -247,7 +247,7 @@ func TestRejectsDevicesThatAreNotLoopDevices(t *testing.T) {
 	if err := Refresh(context.Background(), "/dev/sda"); err == nil {
 		t.Error("Refresh accepted /dev/sda")
 	}
-	if ours, err := IsBackedBy("/dev/sda", "/x.img"); ours || err == nil {
-		t.Errorf("IsBackedBy(/dev/sda) = %v, %v", ours, err)
+	if ours, err := NamedBy("/dev/sda", "/x.img"); ours || err == nil {
+		t.Errorf("NamedBy(/dev/sda) = %v, %v", ours, err)
 	}
 }

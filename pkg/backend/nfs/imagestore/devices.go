@@ -102,7 +102,7 @@ func detach(ctx context.Context, dev, image string) error {
 	}
 	deadline := time.Now().Add(3 * time.Second)
 	for {
-		ours, err := loop.IsBackedBy(dev, image)
+		ours, err := loop.NamedBy(dev, image)
 		if err != nil {
 			return fmt.Errorf("imagestore: %w", err)
 		}

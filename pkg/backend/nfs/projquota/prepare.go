@@ -88,7 +88,9 @@ func Prepare(ctx context.Context, dir string, imageSize int64) (*Pool, func() er
 	} else if m != nil {
 		ours := false
 		if loop.ValidDevice(m.Source) {
-			if ours, err = loop.IsBackedBy(m.Source, image); err != nil {
+			// The pool image there now, by inode: a mount left from a pool
+			// image since deleted and made again is not this pool.
+			if ours, err = loop.BoundTo(m.Source, image); err != nil {
 				return nil, nil, fmt.Errorf("projquota: %w", err)
 			}
 		}
@@ -231,7 +233,7 @@ func attachImage(ctx context.Context, image string) (string, error) {
 		return "", fmt.Errorf("projquota: reading %s: %w", mountInfoPath, err)
 	}
 	for _, a := range attached {
-		ours, err := loop.IsBackedBy(a.Device, image)
+		ours, err := loop.BoundTo(a.Device, image) // this image, not a deleted one of its name
 		if err != nil || !ours {
 			continue
 		}
