@@ -39,6 +39,10 @@ import (
 // cause it can name, and ABORTED is its answer to a call racing another on
 // the same volume.
 var allowedCodes = map[string][]codes.Code{
+	// Snapshots are taken with the model frozen (snapshotRestore): the
+	// answer is OK, or FAILED_PRECONDITION for a volume in use on a pool
+	// without reflinks, checked there.
+	"CreateSnapshot": {codes.FailedPrecondition},
 	"ControllerPublishVolume": {codes.InvalidArgument, codes.NotFound, codes.AlreadyExists,
 		codes.FailedPrecondition, codes.ResourceExhausted, codes.Aborted},
 	"ControllerUnpublishVolume": {codes.InvalidArgument, codes.NotFound, codes.Aborted},
@@ -791,7 +795,9 @@ func stressDuration(t *testing.T) time.Duration {
 // (and their undoing) on volumes of every access mode, and checks all the
 // while, from the mount table, the loop devices and the pool's records,
 // that the access modes hold: one node for SINGLE_NODE_*, one workload for
-// RWOP, nothing writable for a read-only publish. Every answer must be a
+// RWOP, nothing writable for a read-only publish. Now and then a workload
+// writes and fsyncs, the volume is snapshotted and restored, and no
+// restore may miss that acknowledged write. Every answer must be a
 // code the spec allows for the call, and the one the test's model of what
 // succeeded predicts. At the end everything is undone and nothing is left.
 func TestStressInvariants(t *testing.T) {
@@ -799,7 +805,9 @@ func TestStressInvariants(t *testing.T) {
 	dur := stressDuration(t)
 	bin := testenv.BuildBinary(t)
 	work := t.TempDir()
-	pools := map[string]string{"zone-a": filepath.Join(work, "pool-a"), "zone-b": filepath.Join(work, "pool-b")}
+	// zone-a's pool has reflinks (snapshots of volumes in use are clones),
+	// zone-b's has not (they are refused while a node may write).
+	pools := map[string]string{"zone-a": filepath.Join(testenv.ReflinkXFS(t, 4<<30), "pool-a"), "zone-b": filepath.Join(work, "pool-b")}
 	s := &stress{t: t, work: work, kubelet: filepath.Join(work, "kubelet"), slots: []string{"t0", "t1", "t2"},
 		calls: map[string]map[codes.Code]int{}, checks: map[string]int{}, violations: map[string][]string{}, nviol: map[string]int{}}
 	for _, d := range []string{pools["zone-a"], pools["zone-b"], s.kubelet} {
@@ -911,8 +919,10 @@ func TestStressInvariants(t *testing.T) {
 					changed = s.nodeStage(rng, v)
 				case p < 60:
 					changed = s.nodeUnstage(rng, v)
-				case p < 85:
+				case p < 83:
 					changed = s.nodePublish(rng, v)
+				case p < 86:
+					changed = s.snapshotRestore(v, v.zone == "zone-a")
 				default:
 					changed = s.nodeUnpublish(rng, v)
 				}
