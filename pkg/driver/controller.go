@@ -500,6 +500,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	}
 	defer release()
 
+	check := func(v *backend.Volume) error { return compatible(v, req, caps, src, nodeZones) }
 	if existing, err := s.findByKeyAnywhere(ctx, key); err != nil {
 		return nil, err
 	} else if existing != nil {
@@ -508,7 +509,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 				"a volume named %q exists already in another backend (%s); this request would make a %s volume; delete it first or choose another name",
 				req.GetName(), existing.ID, ctrl.Backend())
 		}
-		if err := compatible(existing, req, caps, src, nodeZones); err != nil {
+		if err := check(existing); err != nil {
 			return nil, err
 		}
 		return &csi.CreateVolumeResponse{Volume: csiVolume(existing)}, nil
@@ -517,10 +518,16 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	if sourceErr != nil {
 		return nil, sourceErr
 	}
-	minimum := max(source.size, ctrl.MinimumSize())
-	size, err := sizeFor(req.GetCapacityRange(), caps.fsType, minimum)
+	size, err := sizeFor(req.GetCapacityRange(), caps.fsType, max(source.size, ctrl.MinimumSize()))
 	if err != nil {
 		return nil, err
+	}
+	specFor := func(id volumeid.ID) backend.VolumeSpec {
+		return backend.VolumeSpec{ID: id, Name: req.GetName(), CapacityBytes: size, AccessType: caps.accessType,
+			FsType: caps.fsType, Modes: caps.modes, Parameters: req.GetParameters(), Source: src}
+	}
+	if id, ok := creatingIn(ctrl, key); ok {
+		return resumeCreation(ctx, ctrl, specFor(id), check)
 	}
 	zones := []string{""} // a backend reachable from every zone satisfies any topology
 	if len(ctrl.Zones()) > 0 {
@@ -533,34 +540,14 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 			"no pool of backend %s is in the requested topology (pools in zones: %s)",
 			ctrl.Backend(), strings.Join(ctrl.Zones(), ", "))
 	}
-	if zone, ok := creatingIn(ctrl, key); ok {
-		// A retry of a creation still copying in the background: the same
-		// zone, whatever room the copy itself now takes there.
-		zones = []string{zone}
-	}
+	return createInZones(ctx, ctrl, zones, key, size, specFor)
+}
+
+// createInZones makes the volume in the first of zones whose pool can hold
+// it, or says why none could.
+func createInZones(ctx context.Context, ctrl backend.Controller, zones []string, key string, size int64, specFor func(volumeid.ID) backend.VolumeSpec) (*csi.CreateVolumeResponse, error) {
 	var tried []string
 	for _, zone := range zones {
-		if id, err := volumeid.New(ctrl.Backend(), zone, volumeid.Volume, key); err == nil && isCreating(ctrl, id) {
-			vol, err := ctrl.CreateVolume(ctx, backend.VolumeSpec{
-				ID: id, Name: req.GetName(), CapacityBytes: size, AccessType: caps.accessType,
-				FsType: caps.fsType, Modes: caps.modes, Parameters: req.GetParameters(), Source: src,
-			})
-			if status.Code(err) == codes.AlreadyExists {
-				// The copy finished in between: the volume is recorded now.
-				existing, lerr := ctrl.Volume(ctx, id)
-				if lerr != nil {
-					return nil, err
-				}
-				if err := compatible(existing, req, caps, src, nodeZones); err != nil {
-					return nil, err
-				}
-				vol, err = existing, nil
-			}
-			if err != nil {
-				return nil, err
-			}
-			return &csi.CreateVolumeResponse{Volume: csiVolume(vol)}, nil
-		}
 		free, err := ctrl.Capacity(ctx, zone)
 		if err != nil {
 			return nil, err
@@ -573,10 +560,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 		if err != nil {
 			return nil, status.Error(codes.Internal, err.Error())
 		}
-		vol, err := ctrl.CreateVolume(ctx, backend.VolumeSpec{
-			ID: id, Name: req.GetName(), CapacityBytes: size, AccessType: caps.accessType,
-			FsType: caps.fsType, Modes: caps.modes, Parameters: req.GetParameters(), Source: src,
-		})
+		vol, err := ctrl.CreateVolume(ctx, specFor(id))
 		if status.Code(err) == codes.ResourceExhausted {
 			tried = append(tried, fmt.Sprintf("%s: %s", zoneName(zone), status.Convert(err).Message()))
 			continue
@@ -590,6 +574,53 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	}
 	return nil, status.Errorf(codes.ResourceExhausted,
 		"no allowed pool can hold %d bytes: %s", size, strings.Join(tried, "; "))
+}
+
+// creator is a backend whose creations may go on in the background (a
+// long copy): a volume being created is not there yet, but a retry must go
+// to it, in its zone whatever room the copy itself now takes there, rather
+// than make another.
+type creator interface {
+	Creating(id volumeid.ID) bool
+}
+
+// creatingIn finds the volume of key that is being created, if any.
+func creatingIn(ctrl backend.Controller, key string) (volumeid.ID, bool) {
+	c, ok := ctrl.(creator)
+	if !ok {
+		return volumeid.ID{}, false
+	}
+	zones := ctrl.Zones()
+	if len(zones) == 0 {
+		zones = []string{""}
+	}
+	for _, zone := range zones {
+		if id, err := volumeid.New(ctrl.Backend(), zone, volumeid.Volume, key); err == nil && c.Creating(id) {
+			return id, true
+		}
+	}
+	return volumeid.ID{}, false
+}
+
+// resumeCreation hands a retry to the backend's creation in progress, which
+// waits for its copy. If the copy finished in between, the volume is
+// recorded by now and is the answer, if it matches the request.
+func resumeCreation(ctx context.Context, ctrl backend.Controller, spec backend.VolumeSpec, check func(*backend.Volume) error) (*csi.CreateVolumeResponse, error) {
+	vol, err := ctrl.CreateVolume(ctx, spec)
+	if status.Code(err) == codes.AlreadyExists {
+		existing, lerr := ctrl.Volume(ctx, spec.ID)
+		if lerr != nil {
+			return nil, err
+		}
+		if err := check(existing); err != nil {
+			return nil, err
+		}
+		vol, err = existing, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &csi.CreateVolumeResponse{Volume: csiVolume(vol)}, nil
 }
 
 // findByKeyAnywhere looks for a volume with this key in every backend: a
@@ -1232,28 +1263,6 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 		klog.InfoS("Snapshot created", "snapshotID", snap.ID, "name", snap.Name, "source", snap.SourceVolumeID)
 	}
 	return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(snap)}, nil
-}
-
-// creator is a backend whose creations may go on in the background (a
-// long copy): a volume that is being created is not there yet, but a retry
-// must go to it rather than make another.
-type creator interface {
-	Creating(id volumeid.ID) bool
-}
-
-func isCreating(ctrl backend.Controller, id volumeid.ID) bool {
-	c, ok := ctrl.(creator)
-	return ok && c.Creating(id)
-}
-
-// creatingIn finds the zone where the volume of key is being created.
-func creatingIn(ctrl backend.Controller, key string) (string, bool) {
-	for _, zone := range ctrl.Zones() {
-		if id, err := volumeid.New(ctrl.Backend(), zone, volumeid.Volume, key); err == nil && isCreating(ctrl, id) {
-			return zone, true
-		}
-	}
-	return "", false
 }
 
 func (s *controllerServer) findSnapshotByKey(ctx context.Context, key string) (*backend.Snapshot, error) {

@@ -11,12 +11,10 @@ import (
 	"sort"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
-	"github.com/modeguard/modeguard/pkg/backend/block/loop"
 	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/pkg/volumeid"
@@ -297,29 +295,14 @@ func (c *Controller) reserve(p *pool, bytes int64, what string) (release func(),
 }
 
 // CreateVolume creates spec's image (empty, or a copy of a snapshot or
-// volume) and records it.
+// volume) and records it. A byte copy that outlasts the call goes on in the
+// background (see copy.go): the call answers ABORTED until it is done, and
+// a retry waits for the same copy.
 func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) (*backend.Volume, error) {
-	p, err := c.poolFor(spec.ID, volumeid.Volume)
+	p, source, err := c.checkVolumeSpec(spec)
 	if err != nil {
 		return nil, err
 	}
-	if spec.CapacityBytes <= 0 {
-		return nil, status.Errorf(codes.InvalidArgument, "capacity must be positive, got %d bytes", spec.CapacityBytes)
-	}
-	switch spec.AccessType {
-	case accessmode.Mount:
-		if err := checkFsType(spec.FsType); err != nil {
-			return nil, err
-		}
-	case accessmode.Block:
-	default:
-		return nil, status.Errorf(codes.InvalidArgument, "access type %q is not one of mount, block", spec.AccessType)
-	}
-	source := spec.Source
-	if source != nil && source.SnapshotID == "" && source.VolumeID == "" {
-		source = nil
-	}
-
 	id := spec.ID.String()
 	defer c.objects.lock(id)()
 	if job := c.copyJobFor(id); job != nil {
@@ -331,58 +314,73 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 	if _, err := c.Volume(ctx, spec.ID); err == nil {
 		return nil, status.Errorf(codes.AlreadyExists, "volume %s already exists", id)
 	}
-	metaPath, err := p.metaPath(spec.ID)
-	if err != nil {
-		return nil, status.Error(codes.Internal, err.Error())
-	}
-	imagePath, err := p.imagePath(spec.ID)
-	if err != nil {
-		return nil, status.Error(codes.Internal, err.Error())
-	}
 	var sourceImage string
 	if source != nil {
 		if sourceImage, err = c.sourceImage(source, spec.CapacityBytes); err != nil {
 			return nil, err
 		}
 	}
-	// Everything below is undone on return unless a background copy takes
-	// it over.
-	handedOver := false
-	var undo []func()
-	defer func() {
-		if !handedOver {
-			for i := len(undo) - 1; i >= 0; i-- {
-				undo[i]()
-			}
-		}
-	}()
-	release, err := c.reserve(p, spec.CapacityBytes, "volume "+spec.Name)
+	m, err := c.startImage(p, spec.ID, spec.CapacityBytes, "volume "+spec.Name)
 	if err != nil {
 		return nil, err
 	}
-	undo = append(undo, release)
-
-	tmp, err := tempName(imagePath)
-	if err != nil {
-		return nil, status.Errorf(codes.Internal, "creating image of %s: %v", id, err)
-	}
-	published := false
-	undo = append(undo, func() {
-		if !published {
-			os.Remove(tmp)
-		}
-	})
+	defer m.abandon()
 	byteCopy := false
 	if sourceImage != "" {
-		unlock, cloned, err := c.cloneSource(ctx, source, sourceImage, tmp)
+		unlock, cloned, err := c.cloneSource(ctx, source, sourceImage, m.tmp)
 		if err != nil {
 			return nil, err
 		}
-		undo = append(undo, unlock)
+		m.hold(unlock)
 		byteCopy = !cloned
 	}
+	vol := newVolumeRecord(spec, source)
+	finish := func(ctx context.Context) error {
+		if byteCopy {
+			if err := copyImage(ctx, sourceImage, m.tmp); err != nil {
+				return err
+			}
+		}
+		return c.completeVolume(ctx, m, vol, spec.Modes)
+	}
+	if !byteCopy {
+		if err := finish(ctx); err != nil {
+			return nil, err
+		}
+		return cloneVolume(vol), nil
+	}
+	return c.awaitVolumeCopy(ctx, c.startCopy(id, &copyJob{vol: cloneVolume(vol)}, finish, m))
+}
+
+// checkVolumeSpec refuses what no pool here can make and returns the pool
+// and the volume's content source (nil for an empty volume).
+func (c *Controller) checkVolumeSpec(spec backend.VolumeSpec) (*pool, *backend.Source, error) {
+	p, err := c.poolFor(spec.ID, volumeid.Volume)
+	if err != nil {
+		return nil, nil, err
+	}
+	if spec.CapacityBytes <= 0 {
+		return nil, nil, status.Errorf(codes.InvalidArgument, "capacity must be positive, got %d bytes", spec.CapacityBytes)
+	}
+	switch spec.AccessType {
+	case accessmode.Mount:
+		if err := checkFsType(spec.FsType); err != nil {
+			return nil, nil, err
+		}
+	case accessmode.Block:
+	default:
+		return nil, nil, status.Errorf(codes.InvalidArgument, "access type %q is not one of mount, block", spec.AccessType)
+	}
+	source := spec.Source
+	if source != nil && source.SnapshotID == "" && source.VolumeID == "" {
+		source = nil
+	}
+	return p, source, nil
+}
+
+func newVolumeRecord(spec backend.VolumeSpec, source *backend.Source) *backend.Volume {
 	vol := &backend.Volume{
-		ID:            id,
+		ID:            spec.ID.String(),
 		Name:          spec.Name,
 		CapacityBytes: spec.CapacityBytes,
 		Zone:          spec.ID.Zone,
@@ -395,92 +393,45 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 		s := *source
 		vol.Source = &s
 	}
-	finish := func(ctx context.Context) error {
-		if byteCopy {
-			if err := copyImage(ctx, sourceImage, tmp); err != nil {
-				return err
-			}
-		}
-		if err := growAndSync(tmp, spec.CapacityBytes); err != nil {
-			return status.Errorf(codes.Internal, "sizing image of %s: %v", id, err)
-		}
-		if sourceImage != "" && spec.AccessType == accessmode.Mount {
-			if err := replayJournal(ctx, c.mounter, tmp); err != nil {
-				return status.Errorf(codes.Internal, "preparing the filesystem copied into %s: %v", id, err)
-			}
-			if err := growAndSync(tmp, 0); err != nil { // the replay's writes, to disk
-				return status.Errorf(codes.Internal, "syncing image of %s: %v", id, err)
-			}
-		}
-		if formatsAtCreate(spec.AccessType, spec.Modes, source) {
-			if err := mkfs(ctx, fsOrDefault(spec.FsType), tmp); err != nil {
-				return err
-			}
-			if err := growAndSync(tmp, spec.CapacityBytes); err != nil {
-				return status.Errorf(codes.Internal, "syncing image of %s: %v", id, err)
-			}
-		}
-		fpCreateImageWritten.Hit()
-		if err := os.Rename(tmp, imagePath); err != nil {
-			return status.Errorf(codes.Internal, "publishing image of %s: %v", id, err)
-		}
-		published = true
-		if err := fsutil.SyncDir(p.kindDir(volumeid.Volume)); err != nil {
-			return status.Errorf(codes.Internal, "publishing image of %s: %v", id, err)
-		}
-		fpCreateImagePublished.Hit()
-		vol.CreatedAt = time.Now().UTC()
-		if err := fsutil.WriteJSONAtomic(metaPath, vol); err != nil {
-			// Without metadata the image is a leftover; drop it now rather
-			// than at the next restart.
-			if rerr := fsutil.RemoveDurably(imagePath); rerr != nil {
-				klog.ErrorS(rerr, "Removing image of a volume whose metadata could not be written", "volumeID", id)
-			}
-			return status.Errorf(codes.Internal, "recording volume %s: %v", id, err)
-		}
-		fpCreateRecorded.Hit()
-		c.mu.Lock()
-		c.volumes[id] = vol
-		c.mu.Unlock()
-		return nil
-	}
-	if !byteCopy {
-		if err := finish(ctx); err != nil {
-			return nil, err
-		}
-		return cloneVolume(vol), nil
-	}
-	handedOver = true
-	job := c.startCopy(id, &copyJob{vol: cloneVolume(vol)}, finish, undo)
-	return c.awaitVolumeCopy(ctx, job)
+	return vol
 }
 
-// sameCreation tells a retry of the creation a background copy is doing
-// from a request for another volume under the same name.
-func sameCreation(v *backend.Volume, spec backend.VolumeSpec) bool {
-	src := backend.Source{}
-	if spec.Source != nil {
-		src = *spec.Source
+// completeVolume turns the image under construction (empty, or holding its
+// source's bytes) into the volume: sized, its copied journal replayed or
+// its filesystem made where no node may ever write it, published, and
+// recorded, in that order, so that a crash at any step leaves a leftover
+// the next start removes and never a record without its image.
+func (c *Controller) completeVolume(ctx context.Context, m *imageInProgress, vol *backend.Volume, modes []accessmode.Mode) error {
+	if err := growAndSync(m.tmp, vol.CapacityBytes); err != nil {
+		return status.Errorf(codes.Internal, "sizing image of %s: %v", vol.ID, err)
 	}
-	have := backend.Source{}
-	if v.Source != nil {
-		have = *v.Source
+	if vol.Source != nil && vol.AccessType == accessmode.Mount {
+		if err := replayJournal(ctx, c.mounter, m.tmp); err != nil {
+			return status.Errorf(codes.Internal, "preparing the filesystem copied into %s: %v", vol.ID, err)
+		}
 	}
-	return v.CapacityBytes == spec.CapacityBytes && v.AccessType == spec.AccessType && v.FsType == spec.FsType && have == src
-}
-
-// awaitVolumeCopy waits for a new volume's background copy until shortly
-// before the call's deadline. CSI has no "not ready yet" for a volume:
-// until the copy is done the answer is ABORTED (the CO retries, and the
-// retry waits for the same copy), then the volume.
-func (c *Controller) awaitVolumeCopy(ctx context.Context, job *copyJob) (*backend.Volume, error) {
-	if !c.awaitCopy(ctx, job) {
-		return nil, status.Errorf(codes.Aborted, "volume %s is still being copied from %+v; CreateVolume again returns it once the copy is done", job.vol.ID, *job.vol.Source)
+	if formatsAtCreate(vol.AccessType, modes, vol.Source) {
+		if err := mkfs(ctx, fsOrDefault(vol.FsType), m.tmp); err != nil {
+			return err
+		}
 	}
-	if job.err != nil {
-		return nil, job.err
+	if err := growAndSync(m.tmp, vol.CapacityBytes); err != nil { // a replay's or mkfs's writes, to disk
+		return status.Errorf(codes.Internal, "syncing image of %s: %v", vol.ID, err)
 	}
-	return cloneVolume(job.vol), nil
+	fpCreateImageWritten.Hit()
+	if err := m.publish(); err != nil {
+		return status.Errorf(codes.Internal, "publishing image of %s: %v", vol.ID, err)
+	}
+	fpCreateImagePublished.Hit()
+	vol.CreatedAt = time.Now().UTC()
+	if err := m.record(vol); err != nil {
+		return status.Errorf(codes.Internal, "recording volume %s: %v", vol.ID, err)
+	}
+	fpCreateRecorded.Hit()
+	c.mu.Lock()
+	c.volumes[vol.ID] = vol
+	c.mu.Unlock()
+	return nil
 }
 
 // Steps a test can kill the controller at (package faultpoint): after each,
@@ -494,96 +445,6 @@ var (
 	fpSnapshotCopied       = faultpoint.New("block.snapshot.copied")
 	fpExpandImageGrown     = faultpoint.New("block.expand.image-grown")
 )
-
-// cloneSource starts the copy of a new volume's source image into dst: a
-// reflink clone where the pool has them (cloned), else nothing yet, the
-// caller making the byte copy. A snapshot never changes. A volume may be
-// in use (cloneOrVet): it stays locked, so that no attach slips in, until
-// the caller is done copying and calls unlock.
-func (c *Controller) cloneSource(ctx context.Context, src *backend.Source, image, dst string) (unlock func(), cloned bool, err error) {
-	if src.VolumeID == "" {
-		err := cloneImage(image, dst)
-		if err != nil && !errors.Is(err, errNoReflink) {
-			return nil, false, status.Errorf(codes.Internal, "cloning %s: %v", filepath.Base(image), err)
-		}
-		return func() {}, err == nil, nil
-	}
-	unlock = c.objects.lock(src.VolumeID)
-	id, err := volumeid.ParseKind(src.VolumeID, volumeid.Volume)
-	if err != nil {
-		unlock()
-		return nil, false, status.Errorf(codes.NotFound, "source volume: %v", err)
-	}
-	vol, err := c.Volume(ctx, id)
-	if err == nil {
-		cloned, err = c.cloneOrVet(vol, image, dst)
-	}
-	if err != nil {
-		unlock()
-		return nil, false, err
-	}
-	return unlock, cloned, nil
-}
-
-// cloneOrVet makes sure a copy of a volume's image is the image as it was
-// at one instant, so that every write acknowledged before the copy began is
-// in it and nothing is torn (crash-consistent). A reflink clone is that
-// instant wherever the pool's filesystem has reflinks: then dst holds the
-// copy and cloned is true. Elsewhere a byte copy is only a point in time
-// when nothing writes the image, so a volume attached for writing (or bound
-// read-write to a loop device on this machine) is refused rather than
-// copied while it moves; otherwise the caller makes the byte copy. The
-// caller holds the volume's lock until the copy is done.
-func (c *Controller) cloneOrVet(vol *backend.Volume, image, dst string) (cloned bool, err error) {
-	err = cloneImage(image, dst)
-	if err == nil {
-		return true, nil
-	}
-	if !errors.Is(err, errNoReflink) {
-		return false, status.Errorf(codes.Internal, "cloning the image of %s: %v", vol.ID, err)
-	}
-	if writer, err := writerOf(vol, image); err != nil {
-		return false, status.Errorf(codes.Unavailable, "cannot tell whether volume %s is being written, so it is not copied (its pool has no reflinks): %v", vol.ID, err)
-	} else if writer != "" {
-		return false, status.Errorf(codes.FailedPrecondition,
-			"volume %s is %s, and its pool's filesystem cannot clone files (no reflink): a copy of an image in use could be torn and miss acknowledged writes. "+
-				"Copy it once no node has it attached for writing, or keep the zone's pool on a filesystem with reflinks (xfs with reflink=1, btrfs)", vol.ID, writer)
-	}
-	return false, nil
-}
-
-// writerOf says who may be writing a volume's image, or "" if nobody can:
-// the controller's record of read-write attachments, and what the kernel
-// here knows (a loop device bound read-write to the image, whatever the
-// record says).
-func writerOf(vol *backend.Volume, image string) (string, error) {
-	for _, a := range vol.Attachments {
-		if !a.ReadOnly {
-			return "attached read-write to node " + a.Node(), nil
-		}
-	}
-	devs, err := loop.List()
-	if err != nil {
-		return "", fmt.Errorf("listing loop devices: %w", err)
-	}
-	for _, d := range devs {
-		bound, err := loop.BoundTo(d.Device, image)
-		if err != nil {
-			return "", err
-		}
-		if !bound {
-			continue
-		}
-		ro, err := loop.ReadOnly(d.Device)
-		if err != nil {
-			return "", err
-		}
-		if !ro {
-			return "bound read-write to " + d.Device + " on this machine", nil
-		}
-	}
-	return "", nil
-}
 
 // formatsAtCreate is true for filesystem volumes no node will ever be
 // allowed to write: a read-only node cannot format, so nobody could. A
@@ -862,97 +723,45 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 		}
 		return existing, nil
 	}
-	// Everything below is undone on return unless the background copy
-	// takes it over.
-	handedOver := false
-	var undo []func()
-	defer func() {
-		if !handedOver {
-			for i := len(undo) - 1; i >= 0; i-- {
-				undo[i]()
-			}
-		}
-	}()
 	// The source's attachments cannot change while it is copied: an
 	// attach waits, so "nobody writes it" stays true to the end.
-	undo = append(undo, c.objects.lock(source.String()))
+	unlock := c.objects.lock(source.String())
 	vol, err := c.Volume(ctx, source)
 	if err != nil {
+		unlock()
 		return nil, err
 	}
 	sourceImage, err := p.imagePath(source)
 	if err != nil {
-		return nil, status.Error(codes.Internal, err.Error())
-	}
-	metaPath, err := p.metaPath(id)
-	if err != nil {
-		return nil, status.Error(codes.Internal, err.Error())
-	}
-	imagePath, err := p.imagePath(id)
-	if err != nil {
+		unlock()
 		return nil, status.Error(codes.Internal, err.Error())
 	}
 	// Without reflink the copy takes as much as the source occupies.
 	need, err := allocatedBytes(sourceImage)
 	if err != nil {
+		unlock()
 		return nil, status.Errorf(codes.Internal, "inspecting image of %s: %v", source, err)
 	}
-	release, err := c.reserve(p, need, "snapshot "+name)
+	m, err := c.startImage(p, id, need, "snapshot "+name)
+	if err != nil {
+		unlock()
+		return nil, err
+	}
+	m.hold(unlock)
+	defer m.abandon()
+	cloned, err := c.cloneOrVet(vol, sourceImage, m.tmp)
 	if err != nil {
 		return nil, err
 	}
-	undo = append(undo, release)
-
-	tmp, err := tempName(imagePath)
-	if err != nil {
-		return nil, status.Errorf(codes.Internal, "creating image of %s: %v", id, err)
-	}
-	published := false
-	undo = append(undo, func() {
-		if !published {
-			os.Remove(tmp)
-		}
-	})
-	cloned, err := c.cloneOrVet(vol, sourceImage, tmp)
-	if err != nil {
-		return nil, err
-	}
-	snap := &backend.Snapshot{
-		ID:             id.String(),
-		Name:           name,
-		SourceVolumeID: source.String(),
-		SizeBytes:      vol.CapacityBytes,
-		CreatedAt:      time.Now().UTC(),
-		AccessType:     vol.AccessType,
-		FsType:         vol.FsType,
-	}
+	snap := &backend.Snapshot{ID: id.String(), Name: name, SourceVolumeID: source.String(), SizeBytes: vol.CapacityBytes,
+		CreatedAt: time.Now().UTC(), AccessType: vol.AccessType, FsType: vol.FsType}
 	finish := func(ctx context.Context) error {
 		if !cloned {
-			if err := copyImage(ctx, sourceImage, tmp); err != nil {
+			if err := copyImage(ctx, sourceImage, m.tmp); err != nil {
 				return err
 			}
 		}
-		if err := growAndSync(tmp, 0); err != nil { // size 0: only mode and fsync
-			return status.Errorf(codes.Internal, "syncing image of %s: %v", id, err)
-		}
-		fpSnapshotCopied.Hit()
-		if err := os.Rename(tmp, imagePath); err != nil {
-			return status.Errorf(codes.Internal, "publishing image of %s: %v", id, err)
-		}
-		published = true
-		if err := fsutil.SyncDir(p.kindDir(volumeid.Snapshot)); err != nil {
-			return status.Errorf(codes.Internal, "publishing image of %s: %v", id, err)
-		}
-		if err := fsutil.WriteJSONAtomic(metaPath, snap); err != nil {
-			if rerr := fsutil.RemoveDurably(imagePath); rerr != nil {
-				klog.ErrorS(rerr, "Removing image of a snapshot whose metadata could not be written", "snapshotID", id.String())
-			}
-			return status.Errorf(codes.Internal, "recording snapshot %s: %v", id, err)
-		}
-		c.mu.Lock()
-		c.snapshots[snap.ID] = snap
-		c.mu.Unlock()
-		return nil
+		return c.completeSnapshot(m, snap)
 	}
 	if cloned {
 		if err := finish(ctx); err != nil {
@@ -961,120 +770,28 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 		out := *snap
 		return &out, nil
 	}
-	handedOver = true
 	job := &copyJob{snap: *snap}
 	job.snap.Cutting = true
-	return c.awaitSnapshotCopy(ctx, c.startCopy(snap.ID, job, finish, undo))
+	return c.awaitSnapshotCopy(ctx, c.startCopy(snap.ID, job, finish, m))
 }
 
-// copyJob is a byte copy that may outlive the call that started it: a
-// snapshot's (snap) or a new volume's (vol, a restore or a clone).
-type copyJob struct {
-	snap   backend.Snapshot // as it will be recorded; Cutting while copying
-	vol    *backend.Volume  // as it will be recorded
-	done   chan struct{}
-	err    error // set before done is closed
-	cancel context.CancelFunc
-}
-
-// copiesStarted counts the byte copies started in the background, so a
-// test can tell a retry that waits from one that starts over.
-var copiesStarted atomic.Int64
-
-// startCopy runs finish in the background under a context of its own (the
-// call's ends with the call), then undoes what the copy held (the source's
-// lock, the reservation, a temporary file), last first.
-func (c *Controller) startCopy(id string, job *copyJob, finish func(context.Context) error, undo []func()) *copyJob {
-	ctx, cancel := context.WithCancel(context.Background())
-	job.done, job.cancel = make(chan struct{}), cancel
+// completeSnapshot publishes and records a snapshot whose image holds its
+// copy, as completeVolume does for volumes.
+func (c *Controller) completeSnapshot(m *imageInProgress, snap *backend.Snapshot) error {
+	if err := growAndSync(m.tmp, 0); err != nil { // size 0: only mode and fsync
+		return status.Errorf(codes.Internal, "syncing image of %s: %v", snap.ID, err)
+	}
+	fpSnapshotCopied.Hit()
+	if err := m.publish(); err != nil {
+		return status.Errorf(codes.Internal, "publishing image of %s: %v", snap.ID, err)
+	}
+	if err := m.record(snap); err != nil {
+		return status.Errorf(codes.Internal, "recording snapshot %s: %v", snap.ID, err)
+	}
 	c.mu.Lock()
-	c.copies[id] = job
+	c.snapshots[snap.ID] = snap
 	c.mu.Unlock()
-	copiesStarted.Add(1)
-	go func() {
-		err := finish(ctx)
-		for i := len(undo) - 1; i >= 0; i-- {
-			undo[i]()
-		}
-		cancel()
-		if err != nil {
-			klog.ErrorS(err, "A background copy failed; the next call starts it again", "id", id)
-		} else {
-			klog.InfoS("Background copy done", "id", id)
-		}
-		c.mu.Lock()
-		delete(c.copies, id)
-		job.err = err
-		c.mu.Unlock()
-		close(job.done)
-	}()
-	return job
-}
-
-// Creating reports whether volume id is being created by a background copy
-// (a restore or a clone): not there yet, but a retry must wait for it.
-func (c *Controller) Creating(id volumeid.ID) bool {
-	job := c.copyJobFor(id.String())
-	return job != nil && job.vol != nil
-}
-
-func (c *Controller) copyJobFor(id string) *copyJob {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.copies[id]
-}
-
-// cancelCopy stops the background copy of id, if there is one, and waits
-// until it has undone what it held.
-func (c *Controller) cancelCopy(ctx context.Context, id volumeid.ID) error {
-	job := c.copyJobFor(id.String())
-	if job == nil {
-		return nil
-	}
-	job.cancel()
-	select {
-	case <-job.done:
-		return nil
-	case <-ctx.Done():
-		return status.Errorf(codes.Aborted, "the copy of %s is still being cancelled: %v", id, ctx.Err())
-	}
-}
-
-// awaitCopy waits for a background copy until shortly before the call's
-// deadline and reports whether it is done (then job.err says how).
-func (c *Controller) awaitCopy(ctx context.Context, job *copyJob) bool {
-	var early <-chan time.Time
-	if deadline, ok := ctx.Deadline(); ok {
-		// Answer with a fifth of the time left to spare (at least 10ms,
-		// at most a second): a late answer is a DEADLINE_EXCEEDED.
-		left := time.Until(deadline)
-		spare := min(max(left/5, 10*time.Millisecond), time.Second)
-		t := time.NewTimer(max(left-spare, 0))
-		defer t.Stop()
-		early = t.C
-	}
-	select {
-	case <-job.done:
-		return true
-	case <-early:
-	case <-ctx.Done():
-	}
-	return false
-}
-
-// awaitSnapshotCopy answers with the snapshot as it stands shortly before
-// the call's deadline: ready once the copy is done, not ready (Cutting)
-// while it goes on, the copy's error if it failed.
-func (c *Controller) awaitSnapshotCopy(ctx context.Context, job *copyJob) (*backend.Snapshot, error) {
-	out := job.snap
-	if !c.awaitCopy(ctx, job) {
-		return &out, nil
-	}
-	if job.err != nil {
-		return nil, job.err
-	}
-	out.Cutting = false
-	return &out, nil
+	return nil
 }
 
 // Snapshot returns the recorded snapshot, or one still being copied
