@@ -8,12 +8,15 @@ package backend
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/mounts"
 	"github.com/modeguard/modeguard/pkg/volumeid"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 // Source is what a new volume is filled from.
@@ -155,6 +158,21 @@ type StageRequest struct {
 	// interrupted after it began: clean up what it may have left (a device
 	// bound to the volume that nothing uses) before staging again.
 	Recover bool
+}
+
+// FsTypes are the filesystems the driver makes and mounts for access type
+// mount: the tools for them (mkfs.ext4, mkfs.xfs, resize2fs, xfs_growfs)
+// ship with it.
+var FsTypes = []string{"ext4", "xfs"}
+
+// CheckFsType refuses a filesystem the driver cannot make or grow; "" (the
+// backend's default) passes.
+func CheckFsType(fs string) error {
+	if fs != "" && !slices.Contains(FsTypes, fs) {
+		return status.Errorf(codes.InvalidArgument,
+			"filesystem type %q is not supported; accepted: %s", fs, strings.Join(FsTypes, ", "))
+	}
+	return nil
 }
 
 // CheckMountFlags refuses mount flags that could change the options a node

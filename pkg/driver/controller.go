@@ -77,10 +77,8 @@ func parseCapability(c *csi.VolumeCapability) (accessmode.AccessType, string, ac
 	switch at := c.GetAccessType().(type) {
 	case *csi.VolumeCapability_Mount:
 		fs := at.Mount.GetFsType()
-		if fs != "" {
-			if err := checkFsType(fs); err != nil {
-				return "", "", 0, err
-			}
+		if err := backend.CheckFsType(fs); err != nil {
+			return "", "", 0, err
 		}
 		if err := backend.CheckMountFlags(at.Mount.GetMountFlags()); err != nil {
 			return "", "", 0, status.Error(codes.InvalidArgument, err.Error())

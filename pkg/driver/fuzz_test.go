@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/test/testfiles"
 )
 
@@ -48,7 +49,7 @@ func FuzzParseParams(f *testing.F) {
 		if !slices.Contains([]string{"block", "nfs", BackendAuto}, p.Backend) {
 			t.Fatalf("ParseParams(%q): backend %q", in, p.Backend)
 		}
-		if p.FsType != "" && !slices.Contains(supportedFsTypes, p.FsType) {
+		if p.FsType != "" && !slices.Contains(backend.FsTypes, p.FsType) {
 			t.Fatalf("ParseParams(%q): fsType %q", in, p.FsType)
 		}
 		for k := range in {
@@ -108,7 +109,7 @@ func FuzzParseCapability(f *testing.F) {
 			if status.Code(err) != codes.InvalidArgument {
 				t.Fatalf("parseCapability(%v): code %v, want InvalidArgument (%v)", c, status.Code(err), err)
 			}
-			fsOK := block || fsType == "" || slices.Contains(supportedFsTypes, fsType)
+			fsOK := block || fsType == "" || slices.Contains(backend.FsTypes, fsType)
 			if accessmode.Valid(accessmode.Mode(mode)) && fsOK && (block || !slices.ContainsFunc(flags, unsafeFlag)) {
 				t.Fatalf("parseCapability(%v) refused a good capability: %v", c, err)
 			}
@@ -123,7 +124,7 @@ func FuzzParseCapability(f *testing.F) {
 			}
 			return
 		}
-		if at != accessmode.Mount || fs != fsType || (fs != "" && !slices.Contains(supportedFsTypes, fs)) {
+		if at != accessmode.Mount || fs != fsType || (fs != "" && !slices.Contains(backend.FsTypes, fs)) {
 			t.Fatalf("parseCapability(%v) = %s, %q", c, at, fs)
 		}
 		for _, fl := range flags {

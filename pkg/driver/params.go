@@ -9,6 +9,8 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/modeguard/modeguard/pkg/backend"
 )
 
 // StorageClass parameter keys.
@@ -30,7 +32,6 @@ const kubernetesParamPrefix = "csi.storage.k8s.io/"
 var acceptedParams = []string{ParamBackend, ParamFsType, ParamRootSquash}
 
 // Supported filesystems, in order of preference.
-var supportedFsTypes = []string{"ext4", "xfs"}
 
 // DefaultFsType is used when neither the capability nor the parameters name one.
 const DefaultFsType = "ext4"
@@ -91,7 +92,10 @@ func ParseParams(in map[string]string) (Params, error) {
 // setFsType records a filesystem named by either of the two keys that can
 // name one, refusing two different answers.
 func setFsType(p *Params, key, fs string) error {
-	if err := checkFsType(fs); err != nil {
+	if fs == "" {
+		return status.Errorf(codes.InvalidArgument, "%s is empty; accepted: %s", key, strings.Join(backend.FsTypes, ", "))
+	}
+	if err := backend.CheckFsType(fs); err != nil {
 		return err
 	}
 	if p.FsType != "" && p.FsType != fs {
@@ -99,14 +103,6 @@ func setFsType(p *Params, key, fs string) error {
 			"parameters name two filesystems, %s and %s (%s); name one", p.FsType, fs, key)
 	}
 	p.FsType = fs
-	return nil
-}
-
-func checkFsType(fs string) error {
-	if !slices.Contains(supportedFsTypes, fs) {
-		return status.Errorf(codes.InvalidArgument,
-			"filesystem type %q is not supported; accepted: %s", fs, strings.Join(supportedFsTypes, ", "))
-	}
 	return nil
 }
 

@@ -364,7 +364,7 @@ func (c *Controller) checkVolumeSpec(spec backend.VolumeSpec) (*pool, *backend.S
 	}
 	switch spec.AccessType {
 	case accessmode.Mount:
-		if err := checkFsType(spec.FsType); err != nil {
+		if err := backend.CheckFsType(spec.FsType); err != nil {
 			return nil, nil, err
 		}
 	case accessmode.Block:

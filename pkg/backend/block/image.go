@@ -29,14 +29,6 @@ const (
 	sectorBytes = 512 // unit of stat's Blocks, whatever the filesystem's block size
 )
 
-func checkFsType(fsType string) error {
-	switch fsType {
-	case "", fsExt4, fsXFS:
-		return nil
-	}
-	return status.Errorf(codes.InvalidArgument, "fs type %q is not supported by the block backend; use ext4 or xfs", fsType)
-}
-
 func fsOrDefault(fsType string) string {
 	if fsType == "" {
 		return defaultFs

@@ -131,7 +131,7 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 		if fsType == "" {
 			fsType = vol.FsType
 		}
-		if err := checkFsType(fsType); err != nil {
+		if err := backend.CheckFsType(fsType); err != nil {
 			return nil, err
 		}
 		if err := fsutil.CheckCOPath("staging path", req.StagingPath); err != nil {
@@ -259,7 +259,7 @@ func (n *Node) mountStaged(ctx context.Context, staged *backend.Staged, writable
 			"volume %s has no filesystem yet and this stage is read-only; stage it once read/write so it can be formatted", staged.VolumeID)
 	case existing == "":
 		staged.FsType = fsOrDefault(staged.FsType)
-	case staged.FsType == "" && checkFsType(existing) == nil:
+	case staged.FsType == "" && backend.CheckFsType(existing) == nil:
 		staged.FsType = existing
 	case existing != staged.FsType:
 		return status.Errorf(codes.FailedPrecondition,
