@@ -4,9 +4,11 @@
 package testenv
 
 import (
+	"errors"
 	"os"
 	"os/exec"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -96,7 +98,16 @@ func ReflinkXFS(t testing.TB, size int64) string {
 	}
 	t.Cleanup(func() {
 		CleanupUnder(t, dir)
-		if err := unix.Unmount(dir, 0); err != nil {
+		// A loop device detached while something (a probe, a scan of
+		// every device) holds it open lets go of its file a moment later;
+		// until then the filesystem is busy.
+		var err error
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			if err = unix.Unmount(dir, 0); err == nil || !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
+				break
+			}
+		}
+		if err != nil {
 			t.Errorf("unmounting the reflink xfs %s: %v", dir, err)
 		}
 		cleanupImage()
