@@ -71,7 +71,7 @@ func TestOpLocks(t *testing.T) {
 		}
 		r()
 	}
-	if n := len(l.busy); n != 0 {
+	if n := l.set.Len(); n != 0 {
 		t.Errorf("%d keys still busy after every release", n)
 	}
 }

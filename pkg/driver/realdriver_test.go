@@ -7,7 +7,6 @@ import (
 	"flag"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -21,6 +20,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/localcluster"
 	"github.com/modeguard/modeguard/pkg/metrics"
 	"github.com/modeguard/modeguard/pkg/nodestate"
 	"github.com/modeguard/modeguard/pkg/volumeid"
@@ -847,25 +847,18 @@ func TestReadOnlyRawBlockPublishCannotWrite(t *testing.T) {
 	if err := write(ro); err == nil {
 		t.Fatalf("a write through the read-only publish at %s succeeded", ro)
 	}
-	loopsBefore := len(localLoops(t))
+	// This test's own loop devices: other tests of the machine attach and
+	// detach theirs meanwhile.
+	localLoops := func() []string { return localcluster.LoopsUnder(e.root) }
+	loopsBefore := len(localLoops())
 	if _, err := e.node.NodeUnpublishVolume(ctx(t), &csi.NodeUnpublishVolumeRequest{VolumeId: volID, TargetPath: ro}); err != nil {
 		t.Fatal(err)
 	}
 	deadline := time.Now().Add(3 * time.Second)
-	for len(localLoops(t)) != loopsBefore-1 && time.Now().Before(deadline) {
+	for len(localLoops()) != loopsBefore-1 && time.Now().Before(deadline) {
 		time.Sleep(50 * time.Millisecond)
 	}
-	if n := len(localLoops(t)); n != loopsBefore-1 {
+	if n := len(localLoops()); n != loopsBefore-1 {
 		t.Fatalf("unpublishing the read-only target left %d loop devices bound, want %d", n, loopsBefore-1)
 	}
-}
-
-// localLoops lists the bound loop devices of the machine.
-func localLoops(t *testing.T) []string {
-	t.Helper()
-	out, err := exec.Command("losetup", "--noheadings", "--output", "NAME", "--list").Output()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return strings.Fields(string(out))
 }

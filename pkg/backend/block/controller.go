@@ -17,6 +17,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/fsutil"
+	"github.com/modeguard/modeguard/pkg/keylock"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
@@ -37,7 +38,7 @@ type Controller struct {
 	// objects serialises work on one volume or snapshot id. The servers
 	// already hold a lock per volume; this one keeps the index and the
 	// metadata file consistent even if a caller does not.
-	objects keyedMutex
+	objects keylock.Set
 
 	// capacityMu makes "is there room?" and "promise it" a single step, so
 	// two creations cannot both be granted the last free bytes.
@@ -304,7 +305,7 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 		return nil, err
 	}
 	id := spec.ID.String()
-	defer c.objects.lock(id)()
+	defer c.objects.Hold(id)()
 	if job := c.copyJobFor(id); job != nil {
 		if !sameCreation(job.vol, spec) {
 			return nil, status.Errorf(codes.AlreadyExists, "volume %s is being created with other parameters (capacity %d bytes, source %+v)", id, job.vol.CapacityBytes, job.vol.Source)
@@ -552,7 +553,7 @@ func (c *Controller) deleteObject(id volumeid.ID, kind volumeid.Kind) error {
 		}
 		return err
 	}
-	defer c.objects.lock(id.String())()
+	defer c.objects.Hold(id.String())()
 	metaPath, err := p.metaPath(id)
 	if err != nil {
 		return status.Error(codes.Internal, err.Error())
@@ -594,7 +595,7 @@ func (c *Controller) updateVolume(ctx context.Context, id volumeid.ID, change fu
 	if err != nil {
 		return nil, err
 	}
-	defer c.objects.lock(id.String())()
+	defer c.objects.Hold(id.String())()
 	v, err := c.Volume(ctx, id)
 	if err != nil {
 		return nil, err
@@ -713,7 +714,7 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 	if source.Zone != id.Zone {
 		return nil, status.Errorf(codes.InvalidArgument, "snapshot %s must be in the zone of its source volume %s", id, source)
 	}
-	defer c.objects.lock(id.String())()
+	defer c.objects.Hold(id.String())()
 	if existing, err := c.Snapshot(ctx, id); err == nil {
 		if existing.SourceVolumeID != source.String() {
 			return nil, status.Errorf(codes.AlreadyExists, "snapshot %s already exists with source volume %s", id, existing.SourceVolumeID)
@@ -725,7 +726,7 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 	}
 	// The source's attachments cannot change while it is copied: an
 	// attach waits, so "nobody writes it" stays true to the end.
-	unlock := c.objects.lock(source.String())
+	unlock := c.objects.Hold(source.String())
 	vol, err := c.Volume(ctx, source)
 	if err != nil {
 		unlock()
@@ -850,41 +851,4 @@ func cloneVolume(v *backend.Volume) *backend.Volume {
 		out.Source = &s
 	}
 	return &out
-}
-
-// keyedMutex is a mutex per key that exists only while someone holds or
-// waits for it.
-type keyedMutex struct {
-	mu    sync.Mutex
-	locks map[string]*countedMutex
-}
-
-type countedMutex struct {
-	sync.Mutex
-	users int
-}
-
-// lock takes key's mutex and returns the function that releases it.
-func (k *keyedMutex) lock(key string) (unlock func()) {
-	k.mu.Lock()
-	if k.locks == nil {
-		k.locks = map[string]*countedMutex{}
-	}
-	m, ok := k.locks[key]
-	if !ok {
-		m = &countedMutex{}
-		k.locks[key] = m
-	}
-	m.users++
-	k.mu.Unlock()
-	m.Lock()
-	return func() {
-		m.Unlock()
-		k.mu.Lock()
-		m.users--
-		if m.users == 0 {
-			delete(k.locks, key)
-		}
-		k.mu.Unlock()
-	}
 }

@@ -148,7 +148,7 @@ func (c *Controller) cloneSource(ctx context.Context, src *backend.Source, image
 		}
 		return func() {}, err == nil, nil
 	}
-	unlock = c.objects.lock(src.VolumeID)
+	unlock = c.objects.Hold(src.VolumeID)
 	id, err := volumeid.ParseKind(src.VolumeID, volumeid.Volume)
 	if err != nil {
 		unlock()

@@ -96,6 +96,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
 	"github.com/modeguard/modeguard/pkg/backend/nfs/projquota"
 	"github.com/modeguard/modeguard/pkg/fsutil"
+	"github.com/modeguard/modeguard/pkg/keylock"
 )
 
 // MinSize is the smallest image: mkfs.xfs refuses smaller filesystems.
@@ -142,7 +143,7 @@ type Store struct {
 	// all is held shared by the work on single rels and exclusively by
 	// Prune and Release.
 	all  sync.RWMutex
-	rels relLocks
+	rels keylock.Set // one per rel: work on one volume's files
 }
 
 // Open prepares root (creates it 0755 if missing, and root/images 0700)
@@ -249,10 +250,10 @@ func alignDown(n int64) int64 { return n &^ (sizeAlign - 1) }
 // lock takes the store's shared lock and the locks of rels.
 func (s *Store) lock(ctx context.Context, rels ...string) (func(), error) {
 	s.all.RLock()
-	unlock, err := s.rels.lock(ctx, rels...)
+	unlock, err := s.rels.Lock(ctx, rels...)
 	if err != nil {
 		s.all.RUnlock()
-		return nil, err
+		return nil, fmt.Errorf("imagestore: waiting for other work on %v: %w", rels, err)
 	}
 	return func() {
 		unlock()
