@@ -1,7 +1,6 @@
 package block
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -13,6 +12,7 @@ import (
 	"syscall"
 
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
+	"github.com/modeguard/modeguard/pkg/command"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -116,9 +116,8 @@ func tempName(final string) (string, error) {
 // (reflink on xfs and btrfs) and keeping holes everywhere else, so copies of
 // mostly empty volumes stay cheap.
 func copyImage(ctx context.Context, src, dst string) error {
-	out, err := run(ctx, "cp", "--reflink=auto", "--sparse=always", "--", src, dst)
-	if err != nil {
-		if bytes.Contains(out, []byte("No space left on device")) {
+	if _, err := command.Run(ctx, "cp", "--reflink=auto", "--sparse=always", "--", src, dst); err != nil {
+		if strings.Contains(err.Error(), "No space left on device") {
 			return status.Errorf(codes.ResourceExhausted, "copying %s: %v", filepath.Base(src), err)
 		}
 		return status.Errorf(codes.Internal, "copying %s: %v", filepath.Base(src), err)
@@ -162,20 +161,10 @@ func mkfs(ctx context.Context, fsType, image string) error {
 	default:
 		return status.Errorf(codes.InvalidArgument, "cannot format %q", fsType)
 	}
-	if _, err := run(ctx, "mkfs."+fsType, args...); err != nil {
+	if _, err := command.Run(ctx, "mkfs."+fsType, args...); err != nil {
 		return status.Errorf(codes.Internal, "formatting new volume as %s: %v", fsType, err)
 	}
 	return nil
-}
-
-// run executes a command without a shell. The error carries the command
-// line and its combined output, which is where these tools explain.
-func run(ctx context.Context, name string, args ...string) ([]byte, error) {
-	out, err := exec.CommandContext(ctx, name, args...).CombinedOutput()
-	if err != nil {
-		return out, fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, strings.TrimSpace(string(out)))
-	}
-	return out, nil
 }
 
 // growExt4Offline grows an unmounted ext4 filesystem to fill its device,
@@ -185,7 +174,7 @@ func growExt4Offline(ctx context.Context, dev string) error {
 	if err != nil {
 		return err
 	}
-	out, err := run(ctx, "dumpe2fs", "-h", dev)
+	out, err := command.Run(ctx, "dumpe2fs", "-h", dev)
 	if err != nil {
 		return err
 	}
@@ -198,13 +187,13 @@ func growExt4Offline(ctx context.Context, dev string) error {
 	}
 	// resize2fs insists on a freshly checked filesystem. Exit status 1
 	// means e2fsck fixed something and the filesystem is now consistent.
-	if _, err := run(ctx, "e2fsck", "-f", "-p", dev); err != nil {
+	if _, err := command.Run(ctx, "e2fsck", "-f", "-p", dev); err != nil {
 		var exit *exec.ExitError
 		if !errors.As(err, &exit) || exit.ExitCode() != 1 {
 			return err
 		}
 	}
-	if _, err := run(ctx, "resize2fs", dev); err != nil {
+	if _, err := command.Run(ctx, "resize2fs", dev); err != nil {
 		return err
 	}
 	klog.InfoS("Grew ext4 filesystem to fill its device", "device", dev, "fromBytes", blockCount*blockSize, "toBytes", devBytes)

@@ -8,12 +8,10 @@
 package loop
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -23,6 +21,8 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
+
+	"github.com/modeguard/modeguard/pkg/command"
 )
 
 var devicePattern = regexp.MustCompile(`^/dev/loop[0-9]+$`)
@@ -77,7 +77,7 @@ func attach(ctx context.Context, dev, image string, readOnly bool) (Device, erro
 	if dev != "" {
 		target = []string{dev, image}
 	}
-	stdout, dioErr := run(ctx, "losetup", append(append(slices.Clone(args), "--direct-io=on"), target...)...)
+	stdout, dioErr := command.Run(ctx, "losetup", append(append(slices.Clone(args), "--direct-io=on"), target...)...)
 	if dioErr == nil {
 		d, err := describe(deviceOf(dev, stdout), readOnly)
 		if err == nil && !d.DirectIO {
@@ -103,7 +103,7 @@ func attach(ctx context.Context, dev, image string, readOnly bool) (Device, erro
 			return Device{}, fmt.Errorf("releasing %s after a failed direct-I/O attach: %w (attach: %v)", bound, err, dioErr)
 		}
 	}
-	stdout, err := run(ctx, "losetup", append(args, target...)...)
+	stdout, err := command.Run(ctx, "losetup", append(args, target...)...)
 	if err != nil {
 		return Device{}, fmt.Errorf("%w (with direct I/O: %v)", err, dioErr)
 	}
@@ -127,7 +127,7 @@ func deviceOf(dev string, stdout []byte) string {
 // when none is free). For a caller that records a device before binding it;
 // another process may take it meanwhile, and AttachAt then fails.
 func Free(ctx context.Context) (string, error) {
-	stdout, err := run(ctx, "losetup", "--find")
+	stdout, err := command.Run(ctx, "losetup", "--find")
 	if err != nil {
 		return "", err
 	}
@@ -249,7 +249,7 @@ func DetachIfBackedBy(ctx context.Context, dev, image string) (bool, error) {
 	if err != nil || !ours {
 		return false, err
 	}
-	if _, err := run(ctx, "losetup", "--detach", dev); err != nil {
+	if _, err := command.Run(ctx, "losetup", "--detach", dev); err != nil {
 		// Detached by someone else in the meantime: the goal is reached.
 		if backing, berr := BackingFile(dev); berr == nil && backing == "" {
 			return false, nil
@@ -273,7 +273,7 @@ func Refresh(ctx context.Context, dev string) error {
 	if !ValidDevice(dev) {
 		return fmt.Errorf("%q is not a loop device", dev)
 	}
-	_, err := run(ctx, "losetup", "--set-capacity", dev)
+	_, err := command.Run(ctx, "losetup", "--set-capacity", dev)
 	return err
 }
 
@@ -331,18 +331,6 @@ func readSys(dev, attr string) (string, error) {
 func firstLine(b []byte) string {
 	line, _, _ := strings.Cut(string(b), "\n")
 	return strings.TrimSpace(line)
-}
-
-// run executes a command without a shell and returns its stdout; a failure
-// carries the command line and its stderr, which is where losetup explains.
-func run(ctx context.Context, name string, args ...string) ([]byte, error) {
-	cmd := exec.CommandContext(ctx, name, args...)
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	if err := cmd.Run(); err != nil {
-		return stdout.Bytes(), fmt.Errorf("%s %s: %v: %s", name, strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
-	}
-	return stdout.Bytes(), nil
 }
 
 // Unused lists the loop devices bound to image that nothing uses: no

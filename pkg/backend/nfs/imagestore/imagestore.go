@@ -95,6 +95,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
 	"github.com/modeguard/modeguard/pkg/backend/nfs/projquota"
+	"github.com/modeguard/modeguard/pkg/command"
 	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/pkg/keylock"
 )
@@ -348,8 +349,8 @@ func (s *Store) format(ctx context.Context, rel string, size int64) error {
 	if err := f.Truncate(size); err != nil {
 		return fail(fmt.Errorf("imagestore: sizing %s: %w", tmp, err))
 	}
-	if _, err := run(ctx, "mkfs.xfs", "-q", tmp); err != nil {
-		return fail(err)
+	if _, err := command.Run(ctx, "mkfs.xfs", "-q", tmp); err != nil {
+		return fail(fmt.Errorf("imagestore: %w", err))
 	}
 	if err := f.Sync(); err != nil {
 		return fail(fmt.Errorf("imagestore: %w", err))
@@ -716,8 +717,8 @@ func (s *Store) Grow(ctx context.Context, rel string, limit int64) error {
 	if err := refresh(ctx, dev, image); err != nil {
 		return err
 	}
-	if _, err := run(ctx, "xfs_growfs", "-d", mnt); err != nil {
-		return err
+	if _, err := command.Run(ctx, "xfs_growfs", "-d", mnt); err != nil {
+		return fmt.Errorf("imagestore: %w", err)
 	}
 	if st.Size() < size {
 		klog.V(2).InfoS("Grew image volume", "rel", rel, "from", st.Size(), "to", size)
@@ -859,8 +860,8 @@ func (s *Store) Copy(ctx context.Context, srcRel, dstRel string, limit int64) (e
 			err = errors.Join(err, terr)
 		}
 	}()
-	if _, err := run(ctx, "cp", "-a", "--reflink=auto", "--sparse=always", "--", srcMnt+"/.", dstMnt+"/"); err != nil {
-		return err
+	if _, err := command.Run(ctx, "cp", "-a", "--reflink=auto", "--sparse=always", "--", srcMnt+"/.", dstMnt+"/"); err != nil {
+		return fmt.Errorf("imagestore: %w", err)
 	}
 	klog.V(2).InfoS("Copied image volume", "from", srcRel, "to", dstRel)
 	return nil
@@ -1137,21 +1138,4 @@ func (s *Store) Release() error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// maxOutput bounds how much of a command's output goes into an error.
-const maxOutput = 4096
-
-// run executes a command without a shell. A failure carries the command
-// line and (the start of) its output, which is where these tools explain.
-func run(ctx context.Context, name string, args ...string) (string, error) {
-	out, err := exec.CommandContext(ctx, name, args...).CombinedOutput()
-	if err != nil {
-		msg := strings.TrimSpace(string(out))
-		if len(msg) > maxOutput {
-			msg = msg[:maxOutput] + "..."
-		}
-		return string(out), fmt.Errorf("imagestore: %s %s: %w: %s", name, strings.Join(args, " "), err, msg)
-	}
-	return string(out), nil
 }

@@ -14,6 +14,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
+	"github.com/modeguard/modeguard/pkg/command"
 )
 
 const (
@@ -200,8 +201,8 @@ func ensureImage(ctx context.Context, image string, size int64) (created bool, e
 	if err := f.Truncate(size); err != nil {
 		return fail(fmt.Errorf("projquota: sizing %s: %w", tmp, err))
 	}
-	if _, _, err := run(ctx, "mkfs.xfs", "-q", tmp); err != nil {
-		return fail(err)
+	if _, err := command.Run(ctx, "mkfs.xfs", "-q", tmp); err != nil {
+		return fail(fmt.Errorf("projquota: %w", err))
 	}
 	if err := f.Sync(); err != nil {
 		return fail(fmt.Errorf("projquota: %w", err))

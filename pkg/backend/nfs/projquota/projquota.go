@@ -22,18 +22,18 @@
 package projquota
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/modeguard/modeguard/pkg/command"
 )
 
 // Pool is a prjquota-mounted xfs filesystem that holds volume directories.
@@ -339,9 +339,13 @@ func (p *Pool) Usage(ctx context.Context, projectID uint32) (used, limit int64, 
 }
 
 // xfsQuota runs one xfs_quota command in expert mode on the pool.
-func (p *Pool) xfsQuota(ctx context.Context, command string) (stdout, stderr string, err error) {
-	args := []string{"-x", "-D", os.DevNull, "-P", os.DevNull, "-c", command, p.root}
-	return run(ctx, "xfs_quota", args...)
+func (p *Pool) xfsQuota(ctx context.Context, quotaCommand string) (stdout, stderr string, err error) {
+	args := []string{"-x", "-D", os.DevNull, "-P", os.DevNull, "-c", quotaCommand, p.root}
+	out, errOut, err := command.Output(ctx, "xfs_quota", args...)
+	if err != nil {
+		err = fmt.Errorf("projquota: %w", err)
+	}
+	return string(out), string(errOut), err
 }
 
 // CopyTree copies Root/srcRel to Root/dstRel with cp -a --reflink=auto
@@ -414,8 +418,8 @@ func (p *Pool) CopyTree(ctx context.Context, srcRel, dstRel string, projectID ui
 	}()
 	// -T: dst is the copy itself, so src's contents (and src's own mode,
 	// owner and times) land in the dst made above.
-	if _, _, err := run(ctx, "cp", "-a", "--reflink=auto", "--no-target-directory", "--", src, dst); err != nil {
-		return err
+	if _, err := command.Run(ctx, "cp", "-a", "--reflink=auto", "--no-target-directory", "--", src, dst); err != nil {
+		return fmt.Errorf("projquota: %w", err)
 	}
 	if err := setProjectTree(dst, projectID); err != nil {
 		return fmt.Errorf("projquota: setting project %d on %s: %w", projectID, dst, err)
@@ -456,23 +460,4 @@ func (p *Pool) RemoveDir(ctx context.Context, rel string, projectID uint32) erro
 		}
 	}
 	return p.clearLimit(ctx, projectID)
-}
-
-// maxStderr bounds how much of a command's stderr goes into an error.
-const maxStderr = 4096
-
-// run executes a command without a shell. A failure carries the command
-// line and (the start of) its stderr.
-func run(ctx context.Context, name string, args ...string) (stdout, stderr string, err error) {
-	cmd := exec.CommandContext(ctx, name, args...)
-	var out, errb bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &errb
-	if err := cmd.Run(); err != nil {
-		msg := strings.TrimSpace(errb.String())
-		if len(msg) > maxStderr {
-			msg = msg[:maxStderr] + "..."
-		}
-		return out.String(), errb.String(), fmt.Errorf("projquota: %s %s: %w: %s", name, strings.Join(args, " "), err, msg)
-	}
-	return out.String(), errb.String(), nil
 }
