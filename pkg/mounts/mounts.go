@@ -61,6 +61,29 @@ func (t Table) At(path string) (*Mount, error) {
 	return top(all), nil
 }
 
+// All reads the calling process's whole mount table.
+func All() ([]*Mount, error) { return mountinfo.GetMounts(nil) }
+
+// TopAt returns, of the mounts in all, the one visible at path (absolute,
+// free of symbolic links): of those stacked there, the one no other is
+// mounted on. nil if nothing is mounted at path.
+func TopAt(all []*Mount, path string) *Mount {
+	var at []*Mount
+	for _, m := range all {
+		if m.Mountpoint == path {
+			at = append(at, m)
+		}
+	}
+	if len(at) == 0 {
+		return nil
+	}
+	return top(at)
+}
+
+// SuperOptions lists the options of the mount's filesystem (nouuid,
+// prjquota, ...), as opposed to the per-mount ones (nodev, ro, ...).
+func SuperOptions(m *Mount) []string { return strings.Split(m.VFSOptions, ",") }
+
 // top picks, of the mounts at one mount point, the one no other is mounted
 // on: the one a lookup of the path reaches.
 func top(at []*Mount) *Mount {

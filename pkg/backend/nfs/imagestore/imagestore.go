@@ -98,6 +98,8 @@ import (
 	"github.com/modeguard/modeguard/pkg/command"
 	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/pkg/keylock"
+
+	mtab "github.com/modeguard/modeguard/pkg/mounts"
 )
 
 // MinSize is the smallest image: mkfs.xfs refuses smaller filesystems.
@@ -435,12 +437,12 @@ func (s *Store) checkMountPoint(rel string) error {
 			return fmt.Errorf("imagestore: %s exists and is not a directory (a symlink is refused too)", p)
 		}
 	}
-	mounts, err := readMounts()
+	mounts, err := mtab.All()
 	if err != nil {
 		return err
 	}
 	mnt := s.mountPath(rel)
-	if top := topMountAt(mounts, mnt); top != nil {
+	if top := mtab.TopAt(mounts, mnt); top != nil {
 		return fmt.Errorf("imagestore: %s is already mounted (from %s) but %s has no image", mnt, top.Source, rel)
 	}
 	return emptyDir(mnt)
@@ -486,7 +488,7 @@ func (s *Store) mount(ctx context.Context, rel string) (bool, error) {
 	if err := s.makeMountPoint(rel); err != nil {
 		return false, err
 	}
-	mounts, err := readMounts()
+	mounts, err := mtab.All()
 	if err != nil {
 		return false, err
 	}
@@ -494,7 +496,7 @@ func (s *Store) mount(ctx context.Context, rel string) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	if top := topMountAt(mounts, mnt); top != nil {
+	if top := mtab.TopAt(mounts, mnt); top != nil {
 		if slices.Contains(current, top.Source) {
 			return false, nil
 		}
@@ -562,9 +564,9 @@ func (s *Store) mount(ctx context.Context, rel string) (bool, error) {
 		undoAttach()
 		return false, fmt.Errorf("imagestore: mount -t xfs -o nodev,nosuid,%s %s %s: %w (the kernel log, dmesg, tells why)", mountOptions, dev, mnt, err)
 	}
-	mounts, err = readMounts()
+	mounts, err = mtab.All()
 	if err == nil {
-		if top := topMountAt(mounts, mnt); top == nil || top.Source != dev {
+		if top := mtab.TopAt(mounts, mnt); top == nil || top.Source != dev {
 			err = fmt.Errorf("imagestore: %s is not mounted from %s right after mounting it", mnt, dev)
 		}
 	}
@@ -581,11 +583,11 @@ func (s *Store) mount(ctx context.Context, rel string) (bool, error) {
 // top is an error and stays.
 func unmountAll(mnt string, ours func(dev string) bool) error {
 	for range 16 {
-		mounts, err := readMounts()
+		mounts, err := mtab.All()
 		if err != nil {
 			return err
 		}
-		top := topMountAt(mounts, mnt)
+		top := mtab.TopAt(mounts, mnt)
 		if top == nil {
 			return nil
 		}
@@ -618,7 +620,7 @@ func detachAll(ctx context.Context, image string) error {
 	if len(devs) == 0 {
 		return nil
 	}
-	mounts, err := readMounts()
+	mounts, err := mtab.All()
 	if err != nil {
 		return err
 	}
@@ -729,11 +731,11 @@ func (s *Store) Grow(ctx context.Context, rel string, limit int64) error {
 // mountedDevice returns the loop device bound to image (the current file)
 // that is mounted on top at mnt, or "" when mnt shows something else.
 func mountedDevice(image, mnt string) (string, error) {
-	mounts, err := readMounts()
+	mounts, err := mtab.All()
 	if err != nil {
 		return "", err
 	}
-	top := topMountAt(mounts, mnt)
+	top := mtab.TopAt(mounts, mnt)
 	if top == nil {
 		return "", nil
 	}
@@ -899,11 +901,11 @@ func (s *Store) Usage(ctx context.Context, rel string) (used, total int64, err e
 // mountID is the id of the mount on top at mnt, which must come from
 // image; an error if nothing or something else is mounted there.
 func (s *Store) mountID(image, mnt string) (int, error) {
-	mounts, err := readMounts()
+	mounts, err := mtab.All()
 	if err != nil {
 		return 0, err
 	}
-	top := topMountAt(mounts, mnt)
+	top := mtab.TopAt(mounts, mnt)
 	if top == nil {
 		return 0, fmt.Errorf("imagestore: %s is not mounted (Restore mounts it)", mnt)
 	}
@@ -974,14 +976,14 @@ func (s *Store) Restore(ctx context.Context, rel string) error {
 
 // ourMounts returns the mounts under Root() made from loop devices bound to
 // files in the images directory, deepest mount point first.
-func (s *Store) ourMounts(mounts []mountEntry) []mountEntry {
-	var out []mountEntry
+func (s *Store) ourMounts(mounts []*mtab.Mount) []*mtab.Mount {
+	var out []*mtab.Mount
 	for _, m := range mounts {
-		if strings.HasPrefix(m.MountPoint, s.root+"/") && s.inImages(backingPath(m.Source)) {
+		if strings.HasPrefix(m.Mountpoint, s.root+"/") && s.inImages(backingPath(m.Source)) {
 			out = append(out, m)
 		}
 	}
-	slices.SortStableFunc(out, func(a, b mountEntry) int { return len(b.MountPoint) - len(a.MountPoint) })
+	slices.SortStableFunc(out, func(a, b *mtab.Mount) int { return len(b.Mountpoint) - len(a.Mountpoint) })
 	return out
 }
 
@@ -1002,12 +1004,12 @@ func (s *Store) Prune(ctx context.Context, keep map[string]bool) ([]string, erro
 	removed := map[string]bool{}
 	doomed := map[string]bool{} // rels to remove, found from mounts or images
 
-	mounts, err := readMounts()
+	mounts, err := mtab.All()
 	if err != nil {
 		return nil, err
 	}
 	for _, m := range s.ourMounts(mounts) {
-		rel, _ := filepath.Rel(s.root, m.MountPoint)
+		rel, _ := filepath.Rel(s.root, m.Mountpoint)
 		valid := checkRel(rel) == nil
 		if valid && keep[rel] {
 			current, _, err := bound(s.imagePath(rel))
@@ -1025,10 +1027,10 @@ func (s *Store) Prune(ctx context.Context, keep map[string]bool) ([]string, erro
 		}
 		// A mount at an odd place, or a kept rel mounted from a deleted
 		// earlier image: only the mount goes.
-		if err := unmountAll(m.MountPoint, func(dev string) bool { return dev == m.Source }); err != nil {
+		if err := unmountAll(m.Mountpoint, func(dev string) bool { return dev == m.Source }); err != nil {
 			errs = append(errs, err)
 		} else {
-			klog.InfoS("Unmounted a stray mount of an image", "mountPoint", m.MountPoint, "device", m.Source, "backingFile", backingPath(m.Source))
+			klog.InfoS("Unmounted a stray mount of an image", "mountPoint", m.Mountpoint, "device", m.Source, "backingFile", backingPath(m.Source))
 		}
 	}
 
@@ -1113,12 +1115,12 @@ func (s *Store) Release() error {
 	s.all.Lock()
 	defer s.all.Unlock()
 	var errs []error
-	mounts, err := readMounts()
+	mounts, err := mtab.All()
 	if err != nil {
 		return err
 	}
 	for _, m := range s.ourMounts(mounts) {
-		if err := unmountAll(m.MountPoint, func(dev string) bool { return s.inImages(backingPath(dev)) }); err != nil {
+		if err := unmountAll(m.Mountpoint, func(dev string) bool { return s.inImages(backingPath(dev)) }); err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -22,6 +22,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	mtab "github.com/modeguard/modeguard/pkg/mounts"
 )
 
 const MiB = int64(1) << 20
@@ -59,16 +61,16 @@ func newStore(t *testing.T) *Store {
 // removes them so that a failing test does not leave the machine dirty.
 func checkNothingLeft(t *testing.T, root string) {
 	t.Helper()
-	mounts, err := readMounts()
+	mounts, err := mtab.All()
 	if err != nil {
 		t.Errorf("checking for leftovers: %v", err)
 	}
-	slices.SortFunc(mounts, func(a, b mountEntry) int { return len(b.MountPoint) - len(a.MountPoint) })
+	slices.SortFunc(mounts, func(a, b *mtab.Mount) int { return len(b.Mountpoint) - len(a.Mountpoint) })
 	for _, m := range mounts {
-		if m.MountPoint == root || strings.HasPrefix(m.MountPoint, root+"/") {
-			t.Errorf("left mounted: %s from %s", m.MountPoint, m.Source)
-			if err := unix.Unmount(m.MountPoint, unix.MNT_DETACH); err != nil {
-				t.Errorf("cleanup: unmounting %s: %v", m.MountPoint, err)
+		if m.Mountpoint == root || strings.HasPrefix(m.Mountpoint, root+"/") {
+			t.Errorf("left mounted: %s from %s", m.Mountpoint, m.Source)
+			if err := unix.Unmount(m.Mountpoint, unix.MNT_DETACH); err != nil {
+				t.Errorf("cleanup: unmounting %s: %v", m.Mountpoint, err)
 			}
 		}
 	}
@@ -90,13 +92,13 @@ func checkNothingLeft(t *testing.T, root string) {
 }
 
 // mountAt is the mount visible at path, or nil.
-func mountAt(t *testing.T, path string) *mountEntry {
+func mountAt(t *testing.T, path string) *mtab.Mount {
 	t.Helper()
-	mounts, err := readMounts()
+	mounts, err := mtab.All()
 	if err != nil {
 		t.Fatal(err)
 	}
-	return topMountAt(mounts, path)
+	return mtab.TopAt(mounts, path)
 }
 
 // devicesOf lists the loop devices bound to image, current or stale.
@@ -111,7 +113,7 @@ func devicesOf(t *testing.T, image string) []string {
 
 // checkMounted checks that rel is mounted from a loop device bound to its
 // image, the only one, with the options the store promises.
-func checkMounted(t *testing.T, s *Store, rel string) *mountEntry {
+func checkMounted(t *testing.T, s *Store, rel string) *mtab.Mount {
 	t.Helper()
 	image, mnt := s.imagePath(rel), s.mountPath(rel)
 	m := mountAt(t, mnt)
@@ -125,16 +127,16 @@ func checkMounted(t *testing.T, s *Store, rel string) *mountEntry {
 	if len(current) != 1 || current[0] != m.Source || len(stale) > 0 {
 		t.Errorf("%s mounted from %s; loop devices bound to its image: %v, to deleted earlier images: %v", rel, m.Source, current, stale)
 	}
-	if m.FsType != "xfs" {
-		t.Errorf("%s is %s", mnt, m.FsType)
+	if m.FSType != "xfs" {
+		t.Errorf("%s is %s", mnt, m.FSType)
 	}
 	for _, o := range []string{"nodev", "nosuid"} {
-		if !slices.Contains(m.Options, o) {
+		if !slices.Contains(strings.Split(m.Options, ","), o) {
 			t.Errorf("%s mounted without %s: %v", mnt, o, m.Options)
 		}
 	}
-	if !slices.Contains(m.SuperOptions, "nouuid") {
-		t.Errorf("%s mounted without nouuid: %v", mnt, m.SuperOptions)
+	if !slices.Contains(mtab.SuperOptions(m), "nouuid") {
+		t.Errorf("%s mounted without nouuid: %v", mnt, mtab.SuperOptions(m))
 	}
 	return m
 }

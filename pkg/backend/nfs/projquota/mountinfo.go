@@ -1,50 +1,16 @@
 package projquota
 
-import (
-	"strings"
-
-	"github.com/moby/sys/mountinfo"
-)
-
-// mountEntry is the part of one /proc/self/mountinfo line this package uses.
-type mountEntry struct {
-	ID           int
-	MountPoint   string
-	FsType       string
-	Source       string
-	SuperOptions []string
-}
+import mtab "github.com/modeguard/modeguard/pkg/mounts"
 
 const mountInfoPath = "/proc/self/mountinfo"
 
-// readMounts lists this process's mounts (parsed by moby/sys/mountinfo).
-func readMounts() ([]mountEntry, error) {
-	infos, err := mountinfo.GetMounts(nil)
+// mountAt returns the mount visible at path (absolute, free of symlinks), or nil.
+func mountAt(path string) (*mtab.Mount, error) {
+	all, err := mtab.All()
 	if err != nil {
 		return nil, err
 	}
-	out := make([]mountEntry, 0, len(infos))
-	for _, m := range infos {
-		out = append(out, mountEntry{ID: m.ID, MountPoint: m.Mountpoint, FsType: m.FSType, Source: m.Source,
-			SuperOptions: strings.Split(m.VFSOptions, ",")})
-	}
-	return out, nil
-}
-
-// mountAt returns the topmost mount whose mount point is path (already
-// absolute and free of symlinks), or nil.
-func mountAt(path string) (*mountEntry, error) {
-	mounts, err := readMounts()
-	if err != nil {
-		return nil, err
-	}
-	var found *mountEntry
-	for i := range mounts {
-		if mounts[i].MountPoint == path {
-			found = &mounts[i]
-		}
-	}
-	return found, nil
+	return mtab.TopAt(all, path), nil
 }
 
 // hasProjectQuota reports whether xfs super options include project quota

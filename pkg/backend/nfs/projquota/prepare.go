@@ -15,6 +15,8 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
 	"github.com/modeguard/modeguard/pkg/command"
+
+	mtab "github.com/modeguard/modeguard/pkg/mounts"
 )
 
 const (
@@ -60,15 +62,15 @@ func Prepare(ctx context.Context, dir string, imageSize int64) (*Pool, func() er
 	}
 	if m, err := mountAt(real); err != nil {
 		return nil, nil, fmt.Errorf("projquota: reading %s: %w", mountInfoPath, err)
-	} else if m != nil && m.FsType == "xfs" && hasProjectQuota(m.SuperOptions) {
+	} else if m != nil && m.FSType == "xfs" && hasProjectQuota(mtab.SuperOptions(m)) {
 		pool, err := Open(real)
 		if err != nil {
 			return nil, nil, err
 		}
 		return pool, noop, nil
-	} else if m != nil && m.FsType == "xfs" {
+	} else if m != nil && m.FSType == "xfs" {
 		klog.InfoS("Export root is an xfs mount point without project quotas; keeping a pool image in it instead (mount it with -o prjquota to use it directly)",
-			"dir", real, "options", strings.Join(m.SuperOptions, ","))
+			"dir", real, "options", strings.Join(mtab.SuperOptions(m), ","))
 	}
 
 	unlock, err := lockDir(ctx, filepath.Join(real, lockName))
@@ -229,7 +231,7 @@ func attachImage(ctx context.Context, image string) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("projquota: listing loop devices: %w", err)
 	}
-	mounts, err := readMounts()
+	mounts, err := mtab.All()
 	if err != nil {
 		return "", fmt.Errorf("projquota: reading %s: %w", mountInfoPath, err)
 	}
@@ -240,7 +242,7 @@ func attachImage(ctx context.Context, image string) (string, error) {
 		}
 		for _, m := range mounts {
 			if m.Source == a.Device {
-				return "", fmt.Errorf("projquota: pool image %s is already mounted at %s (through %s)", image, m.MountPoint, a.Device)
+				return "", fmt.Errorf("projquota: pool image %s is already mounted at %s (through %s)", image, m.Mountpoint, a.Device)
 			}
 		}
 		klog.InfoS("Reusing loop device still bound to the pool image", "device", a.Device, "image", image)
@@ -312,13 +314,13 @@ func releaser(mnt string, mountID int, dev, image string) func() error {
 
 // mountedFrom returns a mount point of dev, or "".
 func mountedFrom(dev string) (string, error) {
-	mounts, err := readMounts()
+	mounts, err := mtab.All()
 	if err != nil {
 		return "", fmt.Errorf("projquota: reading %s: %w", mountInfoPath, err)
 	}
 	for _, m := range mounts {
 		if m.Source == dev {
-			return m.MountPoint, nil
+			return m.Mountpoint, nil
 		}
 	}
 	return "", nil

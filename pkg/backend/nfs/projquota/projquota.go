@@ -34,6 +34,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/modeguard/modeguard/pkg/command"
+
+	mtab "github.com/modeguard/modeguard/pkg/mounts"
 )
 
 // Pool is a prjquota-mounted xfs filesystem that holds volume directories.
@@ -80,12 +82,12 @@ func Open(root string) (*Pool, error) {
 	switch {
 	case m == nil:
 		return nil, fmt.Errorf("projquota: export root %s is not a mount point. %s", real, howToPrepare(real))
-	case m.FsType != "xfs":
-		return nil, fmt.Errorf("projquota: export root %s is %s, not xfs. %s", real, m.FsType, howToPrepare(real))
-	case !hasProjectQuota(m.SuperOptions):
+	case m.FSType != "xfs":
+		return nil, fmt.Errorf("projquota: export root %s is %s, not xfs. %s", real, m.FSType, howToPrepare(real))
+	case !hasProjectQuota(mtab.SuperOptions(m)):
 		return nil, fmt.Errorf("projquota: xfs at %s is mounted without project quota enforcement (options %s); "+
 			"xfs cannot turn quotas on by remount: unmount it and mount it again with -o prjquota. %s",
-			real, strings.Join(m.SuperOptions, ","), howToPrepare(real))
+			real, strings.Join(mtab.SuperOptions(m), ","), howToPrepare(real))
 	}
 	var st unix.Statfs_t
 	if err := unix.Statfs(real, &st); err != nil {

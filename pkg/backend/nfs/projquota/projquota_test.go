@@ -20,6 +20,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
+
+	mtab "github.com/modeguard/modeguard/pkg/mounts"
 )
 
 const (
@@ -151,13 +153,13 @@ func checkNothingLeft(t *testing.T, dir string) {
 		t.Errorf("checking for leftovers: %v", err)
 		return
 	}
-	mounts, err := readMounts()
+	mounts, err := mtab.All()
 	if err != nil {
 		t.Errorf("checking for leftovers: %v", err)
 	}
 	for _, m := range mounts {
-		if m.MountPoint == real || strings.HasPrefix(m.MountPoint, real+"/") {
-			t.Errorf("left mounted: %s from %s", m.MountPoint, m.Source)
+		if m.Mountpoint == real || strings.HasPrefix(m.Mountpoint, real+"/") {
+			t.Errorf("left mounted: %s from %s", m.Mountpoint, m.Source)
 		}
 	}
 	attached, err := loop.List()
@@ -662,13 +664,13 @@ func TestPrepareIsIdempotent(t *testing.T) {
 
 func countMounts(t *testing.T, mnt string) int {
 	t.Helper()
-	mounts, err := readMounts()
+	mounts, err := mtab.All()
 	if err != nil {
 		t.Fatal(err)
 	}
 	n := 0
 	for _, m := range mounts {
-		if m.MountPoint == mnt {
+		if m.Mountpoint == mnt {
 			n++
 		}
 	}
