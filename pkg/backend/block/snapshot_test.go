@@ -360,6 +360,22 @@ func TestLongSnapshotCopyOutlivesTheCall(t *testing.T) {
 		defer f.ctrl.mu.Unlock()
 		return f.ctrl.reserved["zone-a"]
 	}
+	// A cancelled copy leaves no temporary file and no reservation.
+	cancelledCleanly := func(what, dir string) {
+		t.Helper()
+		entries, err := os.ReadDir(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range entries {
+			if strings.Contains(e.Name(), tempMarker) {
+				t.Fatalf("a cancelled %s left %s", what, e.Name())
+			}
+		}
+		if r := reserved(); r != 0 {
+			t.Fatalf("%d bytes still reserved after the cancelled %s", r, what)
+		}
+	}
 	gone := snapID(t, "zone-a", "cancelled")
 	if s, err := f.ctrl.CreateSnapshot(shortCall(t), gone, "cancelled", spec.ID); err != nil || !s.Cutting {
 		t.Fatalf("CreateSnapshot: %+v, %v; want a copy in progress", s, err)
@@ -370,18 +386,7 @@ func TestLongSnapshotCopyOutlivesTheCall(t *testing.T) {
 	if _, err := f.ctrl.Snapshot(context.Background(), gone); codeOf(err) != codes.NotFound {
 		t.Fatalf("Snapshot after DeleteSnapshot: %v, want NotFound", err)
 	}
-	entries, err := os.ReadDir(filepath.Dir(imageOf(t, f, gone)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range entries {
-		if strings.Contains(e.Name(), tempMarker) {
-			t.Fatalf("a cancelled copy left %s", e.Name())
-		}
-	}
-	if r := reserved(); r != 0 {
-		t.Fatalf("%d bytes still reserved after the cancelled copy", r)
-	}
+	cancelledCleanly("copy", filepath.Dir(imageOf(t, f, gone)))
 	// The same for a restore deleted while it copies.
 	dropped := mountSpec(t, "zone-a", "dropped", "", 512*mib)
 	dropped.AccessType = accessmode.Block
@@ -397,18 +402,7 @@ func TestLongSnapshotCopyOutlivesTheCall(t *testing.T) {
 	if exists(imageOf(t, f, dropped.ID)) {
 		t.Fatal("a cancelled restore left its image")
 	}
-	entries, err = os.ReadDir(filepath.Dir(imageOf(t, f, dropped.ID)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range entries {
-		if strings.Contains(e.Name(), tempMarker) {
-			t.Fatalf("a cancelled restore left %s", e.Name())
-		}
-	}
-	if r := reserved(); r != 0 {
-		t.Fatalf("%d bytes still reserved after the cancelled restore", r)
-	}
+	cancelledCleanly("restore", filepath.Dir(imageOf(t, f, dropped.ID)))
 }
 
 func sameFiles(t *testing.T, a, b string) bool {
