@@ -80,6 +80,21 @@ func IsReadOnly(m Mode) bool {
 	return ok && l.writerNodes == 0
 }
 
+// AllReadOnly reports whether every one of a volume's modes is read-only
+// (ROX, SINGLE_NODE_READER_ONLY): no node may ever write the volume. A
+// volume that names no mode is not taken as read-only.
+func AllReadOnly(modes []Mode) bool {
+	if len(modes) == 0 {
+		return false
+	}
+	for _, m := range modes {
+		if !IsReadOnly(m) {
+			return false
+		}
+	}
+	return true
+}
+
 // IsMultiNode reports whether the mode lets more than one node hold the volume.
 func IsMultiNode(m Mode) bool {
 	l, ok := limitsOf(m)

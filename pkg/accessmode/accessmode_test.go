@@ -289,3 +289,22 @@ func TestWorkloadString(t *testing.T) {
 		}
 	}
 }
+
+func TestAllReadOnly(t *testing.T) {
+	tests := []struct {
+		modes []Mode
+		want  bool
+	}{
+		{nil, false},
+		{[]Mode{MultiNodeReaderOnly}, true},
+		{[]Mode{SingleNodeReaderOnly, MultiNodeReaderOnly}, true},
+		{[]Mode{MultiNodeReaderOnly, SingleNodeWriter}, false},
+		{[]Mode{MultiNodeSingleWriter}, false},
+		{[]Mode{Mode(99)}, false},
+	}
+	for _, tt := range tests {
+		if got := AllReadOnly(tt.modes); got != tt.want {
+			t.Errorf("AllReadOnly(%v) = %t, want %t", tt.modes, got, tt.want)
+		}
+	}
+}

@@ -921,10 +921,11 @@ func (s *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	if err != nil {
 		return nil, err
 	}
-	if rec.Staged.ReadOnly {
-		return nil, status.Errorf(codes.FailedPrecondition,
-			"volume %s is staged read-only on this node; its filesystem cannot be grown here", id)
-	}
+	// A read-only stage still refreshes its device, so a reader of a
+	// MULTI_NODE_SINGLE_WRITER raw volume sees the new size. A read-only
+	// filesystem is the writer's to grow (its node's NodeExpandVolume does
+	// it): here the device is refreshed and the answer is OK, because the
+	// kubelet would retry a refusal for this reader's pod for ever.
 	size, err := nb.Expand(ctx, rec.Staged)
 	if err != nil {
 		return nil, err

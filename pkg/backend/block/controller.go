@@ -451,15 +451,7 @@ var (
 // allowed to write: a read-only node cannot format, so nobody could. A
 // copied volume brings its filesystem along.
 func formatsAtCreate(t accessmode.AccessType, modes []accessmode.Mode, source *backend.Source) bool {
-	if t != accessmode.Mount || source != nil || len(modes) == 0 {
-		return false
-	}
-	for _, m := range modes {
-		if !accessmode.IsReadOnly(m) {
-			return false
-		}
-	}
-	return true
+	return t == accessmode.Mount && source == nil && accessmode.AllReadOnly(modes)
 }
 
 // sourceImage finds the image a new volume is copied from and checks that

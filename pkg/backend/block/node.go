@@ -172,7 +172,7 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 	if req.AccessType == accessmode.Block {
 		return staged, nil
 	}
-	if err := n.mountStaged(ctx, staged, !onlyReadOnly(vol.Modes), req.MountFlags); err != nil {
+	if err := n.mountStaged(ctx, staged, !accessmode.AllReadOnly(vol.Modes), req.MountFlags); err != nil {
 		if _, derr := loop.DetachIfBackedBy(context.WithoutCancel(ctx), dev.Path, image); derr != nil {
 			klog.ErrorS(derr, "Detaching loop device after a failed stage", "volumeID", vol.ID, "device", dev.Path)
 		}
@@ -323,20 +323,6 @@ func mountOptions(fsType string, readOnly, writable bool, mountFlags []string) [
 	return opts
 }
 
-// onlyReadOnly is true for a volume whose every mode is read-only (ROX,
-// SINGLE_NODE_READER_ONLY): no node may ever write it. A volume that
-// records no modes is taken as writable.
-func onlyReadOnly(modes []accessmode.Mode) bool {
-	if len(modes) == 0 {
-		return false
-	}
-	for _, m := range modes {
-		if !accessmode.IsReadOnly(m) {
-			return false
-		}
-	}
-	return true
-}
 
 // attachmentOf finds this node's attachment by its key: the controller
 // records the id the node had when it was attached, and the node may have

@@ -192,23 +192,6 @@ func TestMountOptions(t *testing.T) {
 	}
 }
 
-func TestOnlyReadOnly(t *testing.T) {
-	tests := []struct {
-		modes []accessmode.Mode
-		want  bool
-	}{
-		{nil, false},
-		{[]accessmode.Mode{accessmode.MultiNodeReaderOnly}, true},
-		{[]accessmode.Mode{accessmode.SingleNodeReaderOnly, accessmode.MultiNodeReaderOnly}, true},
-		{[]accessmode.Mode{accessmode.MultiNodeReaderOnly, accessmode.SingleNodeWriter}, false},
-		{[]accessmode.Mode{accessmode.MultiNodeSingleWriter}, false},
-	}
-	for _, tt := range tests {
-		if got := onlyReadOnly(tt.modes); got != tt.want {
-			t.Errorf("onlyReadOnly(%v) = %t, want %t", tt.modes, got, tt.want)
-		}
-	}
-}
 
 func TestFormatsAtCreateOnlyWhenNoNodeMayWrite(t *testing.T) {
 	ro := []accessmode.Mode{accessmode.MultiNodeReaderOnly, accessmode.SingleNodeReaderOnly}
