@@ -78,9 +78,27 @@ type VolumeSpec struct {
 // Health is what a backend knows about a volume's condition.
 type Health struct {
 	Abnormal bool
-	Reason   string // CamelCase, for machines
-	Message  string // for people
+	// Condition says how an abnormal volume is unwell, as CSI's volume
+	// health types do. An abnormal health that names none counts as
+	// Inaccessible.
+	Condition Condition
+	Reason    string // CamelCase, for machines
+	Message   string // for people
 }
+
+// Condition is how a volume is unwell.
+type Condition int
+
+const (
+	ConditionUnknown Condition = iota
+	// Degraded: usable, but something needs attention (its pool or quota
+	// is full).
+	Degraded
+	// Inaccessible: cannot be reached now; the data may well be intact.
+	Inaccessible
+	// DataLoss: the data, or part of it, is gone.
+	DataLoss
+)
 
 // PoolStats is one pool's size and use, as metrics report it.
 type PoolStats struct {

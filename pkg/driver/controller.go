@@ -1056,10 +1056,22 @@ func volumeHealth(id string, h backend.Health) *csi.VolumeHealth {
 	vh := &csi.VolumeHealth{VolumeId: id}
 	if h.Abnormal {
 		vh.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{
-			Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: h.Reason, Message: h.Message,
+			Status: healthErrorType(h.Condition), Reason: h.Reason, Message: h.Message,
 		}}
 	}
 	return vh
+}
+
+// healthErrorType is CSI's name for a condition; one a backend did not
+// name is taken as inaccessible, the cautious reading.
+func healthErrorType(c backend.Condition) csi.VolumeHealthErrorType {
+	switch c {
+	case backend.Degraded:
+		return csi.VolumeHealthErrorType_DEGRADED
+	case backend.DataLoss:
+		return csi.VolumeHealthErrorType_DATA_LOSS
+	}
+	return csi.VolumeHealthErrorType_INACCESSIBLE
 }
 
 func (s *controllerServer) ControllerGetVolumeHealth(ctx context.Context, req *csi.ControllerGetVolumeHealthRequest) (*csi.ControllerGetVolumeHealthResponse, error) {
@@ -1077,17 +1089,22 @@ func (s *controllerServer) ControllerGetVolumeHealth(ctx context.Context, req *c
 	return &csi.ControllerGetVolumeHealthResponse{VolumeHealth: volumeHealth(vol.ID, h)}, nil
 }
 
+// ControllerListVolumeHealth lists the volumes that are not healthy, by
+// id; a token is the last id of a page, so paging goes on past volumes
+// that became healthy (or unwell) in between.
 func (s *controllerServer) ControllerListVolumeHealth(ctx context.Context, req *csi.ControllerListVolumeHealthRequest) (*csi.ControllerListVolumeHealthResponse, error) {
+	if token := req.GetStartingToken(); token != "" && !validVolumeToken(token) {
+		return nil, status.Errorf(codes.Aborted, "starting_token %q was not issued by this driver", token)
+	}
 	all, err := s.d.allVolumes(ctx)
 	if err != nil {
 		return nil, err
 	}
-	vols, next, err := page(all, func(v *backend.Volume) string { return v.ID }, req.GetStartingToken(), req.GetMaxEntries(), validVolumeToken)
-	if err != nil {
-		return nil, err
-	}
-	resp := &csi.ControllerListVolumeHealthResponse{NextToken: next}
-	for _, v := range vols {
+	var unwell []*csi.VolumeHealth
+	for _, v := range all {
+		if req.GetStartingToken() != "" && v.ID <= req.GetStartingToken() {
+			continue // before the page: not checked at all
+		}
 		id := mustParse(v.ID)
 		ctrl, err := s.d.controllerFor(id)
 		if err != nil {
@@ -1097,9 +1114,18 @@ func (s *controllerServer) ControllerListVolumeHealth(ctx context.Context, req *
 		if err != nil {
 			return nil, err
 		}
-		resp.Entries = append(resp.Entries, volumeHealth(v.ID, h))
+		if h.Abnormal {
+			unwell = append(unwell, volumeHealth(v.ID, h))
+		}
+		if m := req.GetMaxEntries(); m > 0 && len(unwell) > int(m) {
+			break // one more than the page: there is a next one
+		}
 	}
-	return resp, nil
+	entries, next, err := page(unwell, func(h *csi.VolumeHealth) string { return h.VolumeId }, "", req.GetMaxEntries(), validVolumeToken)
+	if err != nil {
+		return nil, err
+	}
+	return &csi.ControllerListVolumeHealthResponse{Entries: entries, NextToken: next}, nil
 }
 
 func (s *controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {

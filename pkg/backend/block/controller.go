@@ -655,7 +655,8 @@ func (c *Controller) ListVolumes(ctx context.Context) ([]*backend.Volume, error)
 	return out, nil
 }
 
-// VolumeHealth checks that the image is there and as large as recorded.
+// VolumeHealth checks that the image is there and as large as recorded,
+// and that the pool can still hold what the volume may write.
 func (c *Controller) VolumeHealth(ctx context.Context, id volumeid.ID) (backend.Health, error) {
 	p, err := c.poolFor(id, volumeid.Volume)
 	if err != nil {
@@ -669,18 +670,44 @@ func (c *Controller) VolumeHealth(ctx context.Context, id volumeid.ID) (backend.
 	if err != nil {
 		return backend.Health{}, status.Error(codes.Internal, err.Error())
 	}
-	return imageHealth(imagePath, v.CapacityBytes), nil
+	if h := imageHealth(imagePath, v.CapacityBytes); h.Abnormal {
+		return h, nil
+	}
+	return poolHealth(p.dir, imagePath, v.CapacityBytes), nil
 }
 
 func imageHealth(imagePath string, capacity int64) backend.Health {
 	fi, err := os.Stat(imagePath)
 	switch {
 	case errors.Is(err, os.ErrNotExist):
-		return backend.Health{Abnormal: true, Reason: "ImageMissing", Message: fmt.Sprintf("the volume's image %s is missing", imagePath)}
+		return backend.Health{Abnormal: true, Condition: backend.DataLoss, Reason: "ImageMissing",
+			Message: fmt.Sprintf("the volume's image %s is missing", imagePath)}
 	case err != nil:
-		return backend.Health{Abnormal: true, Reason: "ImageUnreadable", Message: fmt.Sprintf("cannot inspect the volume's image %s: %v", imagePath, err)}
+		return backend.Health{Abnormal: true, Condition: backend.Inaccessible, Reason: "ImageUnreadable",
+			Message: fmt.Sprintf("cannot inspect the volume's image %s: %v", imagePath, err)}
 	case fi.Size() < capacity:
-		return backend.Health{Abnormal: true, Reason: "ImageTooSmall", Message: fmt.Sprintf("the volume's image is %d bytes, its capacity is %d bytes", fi.Size(), capacity)}
+		return backend.Health{Abnormal: true, Condition: backend.DataLoss, Reason: "ImageTooSmall",
+			Message: fmt.Sprintf("the volume's image is %d bytes, its capacity is %d bytes", fi.Size(), capacity)}
+	}
+	return backend.Health{Message: "image present and complete"}
+}
+
+// poolHealth says Degraded when the pool has less room than the sparse
+// image may still claim: a write into a hole would then fail with ENOSPC
+// inside the volume, though it is nowhere near full.
+func poolHealth(poolDir, imagePath string, capacity int64) backend.Health {
+	free, err := freeBytes(poolDir)
+	if err != nil {
+		return backend.Health{Abnormal: true, Condition: backend.Inaccessible, Reason: "PoolUnreadable",
+			Message: fmt.Sprintf("cannot read the pool's free space: %v", err)}
+	}
+	allocated, err := allocatedBytes(imagePath)
+	if err != nil {
+		return backend.Health{Abnormal: true, Condition: backend.Inaccessible, Reason: "ImageUnreadable", Message: err.Error()}
+	}
+	if want := outstanding(capacity, allocated); free < want {
+		return backend.Health{Abnormal: true, Condition: backend.Degraded, Reason: "PoolFull",
+			Message: fmt.Sprintf("the pool has %d bytes free and the volume may still write %d more: writes can fail with ENOSPC", free, want)}
 	}
 	return backend.Health{Message: "image present and complete"}
 }

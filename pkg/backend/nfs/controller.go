@@ -738,14 +738,14 @@ func (c *Controller) VolumeHealth(ctx context.Context, id volumeid.ID) (backend.
 		return backend.Health{}, err
 	}
 	if _, err := os.Stat(c.dir(c.volumeRel(id))); err != nil {
-		return backend.Health{Abnormal: true, Reason: "DataMissing", Message: fmt.Sprintf("the volume's directory is gone: %v", err)}, nil
+		return backend.Health{Abnormal: true, Condition: backend.DataLoss, Reason: "DataMissing", Message: fmt.Sprintf("the volume's directory is gone: %v", err)}, nil
 	}
 	if _, err := os.Stat(c.exportFile(id)); err != nil {
-		return backend.Health{Abnormal: true, Reason: "ExportMissing", Message: fmt.Sprintf("the volume's export file is gone: %v", err)}, nil
+		return backend.Health{Abnormal: true, Condition: backend.Inaccessible, Reason: "ExportMissing", Message: fmt.Sprintf("the volume's export file is gone: %v", err)}, nil
 	}
 	used, limit, err := c.cfg.Storage.Usage(ctx, c.volumeRel(id), rec.ProjectID)
 	if err == nil && limit > 0 && used >= limit {
-		return backend.Health{Abnormal: true, Reason: "Full", Message: fmt.Sprintf("the volume is full: %d of %d bytes used", used, limit)}, nil
+		return backend.Health{Abnormal: true, Condition: backend.Degraded, Reason: "Full", Message: fmt.Sprintf("the volume is full: %d of %d bytes used", used, limit)}, nil
 	}
 	return backend.Health{}, nil
 }
