@@ -202,24 +202,17 @@ func writerOf(vol *backend.Volume, image string) (string, error) {
 			return "attached read-write to node " + a.Node(), nil
 		}
 	}
-	devs, err := loop.List()
+	devs, err := loop.DevicesOf(image)
 	if err != nil {
-		return "", fmt.Errorf("listing loop devices: %w", err)
+		return "", fmt.Errorf("listing the loop devices of %s: %w", image, err)
 	}
 	for _, d := range devs {
-		bound, err := loop.BoundTo(d.Device, image)
-		if err != nil {
-			return "", err
-		}
-		if !bound {
-			continue
-		}
-		ro, err := loop.ReadOnly(d.Device)
+		ro, err := loop.ReadOnly(d)
 		if err != nil {
 			return "", err
 		}
 		if !ro {
-			return "bound read-write to " + d.Device + " on this machine", nil
+			return "bound read-write to " + d + " on this machine", nil
 		}
 	}
 	return "", nil

@@ -323,7 +323,6 @@ func mountOptions(fsType string, readOnly, writable bool, mountFlags []string) [
 	return opts
 }
 
-
 // attachmentOf finds this node's attachment by its key: the controller
 // records the id the node had when it was attached, and the node may have
 // restarted under a new address since.

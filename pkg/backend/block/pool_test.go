@@ -192,7 +192,6 @@ func TestMountOptions(t *testing.T) {
 	}
 }
 
-
 func TestFormatsAtCreateOnlyWhenNoNodeMayWrite(t *testing.T) {
 	ro := []accessmode.Mode{accessmode.MultiNodeReaderOnly, accessmode.SingleNodeReaderOnly}
 	tests := []struct {

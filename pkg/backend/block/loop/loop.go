@@ -27,9 +27,9 @@ import (
 
 var devicePattern = regexp.MustCompile(`^/dev/loop[0-9]+$`)
 
-// deletedSuffix is what the kernel appends to a backing file's path once the
+// DeletedSuffix is what the kernel appends to a backing file's path once the
 // file has been unlinked while still bound.
-const deletedSuffix = " (deleted)"
+const DeletedSuffix = " (deleted)"
 
 const sysBlock = "/sys/block"
 
@@ -187,7 +187,7 @@ func NamedBy(dev, image string) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	return backing == want || backing == want+deletedSuffix, nil
+	return backing == want || backing == want+DeletedSuffix, nil
 }
 
 // BoundTo reports whether dev is bound to the very file image is now: the
@@ -226,6 +226,37 @@ func BoundTo(dev, image string) (bool, error) {
 	// which unix.Major and unix.Minor decode like a stat's.
 	return info.Inode == st.Ino &&
 		unix.Major(info.Device) == unix.Major(st.Dev) && unix.Minor(info.Device) == unix.Minor(st.Dev), nil
+}
+
+// DevicesOf lists the loop devices bound to the very file image is now.
+// Only the devices whose backing path names it are opened to compare the
+// inode (BoundTo): opening another volume's device, even for a moment,
+// would hold up its detach (the kernel defers it while the device is
+// open), and the unstage of that volume would find its device still
+// bound.
+func DevicesOf(image string) ([]string, error) {
+	all, err := List()
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, a := range all {
+		named, err := NamedBy(a.Device, image)
+		if err != nil {
+			return nil, err
+		}
+		if !named {
+			continue
+		}
+		bound, err := BoundTo(a.Device, image)
+		if err != nil {
+			return nil, err
+		}
+		if bound {
+			out = append(out, a.Device)
+		}
+	}
+	return out, nil
 }
 
 func canonical(path string) (string, error) {

@@ -157,7 +157,7 @@ func TestNamedByRecognisesAnUnlinkedImage(t *testing.T) {
 		t.Fatal(err)
 	}
 	backing, _ := BackingFile(dev.Path)
-	if !strings.HasSuffix(backing, deletedSuffix) {
+	if !strings.HasSuffix(backing, DeletedSuffix) {
 		t.Fatalf("backing file %q lacks the deleted marker", backing)
 	}
 	if done, err := DetachIfBackedBy(context.Background(), dev.Path, image); err != nil || !done {
@@ -249,5 +249,35 @@ func TestRejectsDevicesThatAreNotLoopDevices(t *testing.T) {
 	}
 	if ours, err := NamedBy("/dev/sda", "/x.img"); ours || err == nil {
 		t.Errorf("NamedBy(/dev/sda) = %v, %v", ours, err)
+	}
+}
+
+// TestDevicesOfIsTheImageNow: the devices bound to this very image, not
+// another image's, and not a deleted image of the same name.
+func TestDevicesOfIsTheImageNow(t *testing.T) {
+	dir := scratch(t)
+	a, b := filepath.Join(dir, "a.img"), filepath.Join(dir, "b.img")
+	sparseFile(t, a, 8*mib)
+	sparseFile(t, b, 8*mib)
+	devA, err := Attach(context.Background(), a, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = DetachIfBackedBy(context.Background(), devA.Path, a) })
+	devB, err := Attach(context.Background(), b, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = DetachIfBackedBy(context.Background(), devB.Path, b) })
+	if got, err := DevicesOf(a); err != nil || len(got) != 1 || got[0] != devA.Path {
+		t.Fatalf("DevicesOf(a) = %v, %v; want [%s]", got, err, devA.Path)
+	}
+	// a deleted and made again: its old device is not the image now.
+	if err := os.Remove(a); err != nil {
+		t.Fatal(err)
+	}
+	sparseFile(t, a, 8*mib)
+	if got, err := DevicesOf(a); err != nil || len(got) != 0 {
+		t.Fatalf("DevicesOf(a made again) = %v, %v; want none", got, err)
 	}
 }

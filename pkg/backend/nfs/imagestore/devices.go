@@ -14,14 +14,10 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
 )
 
-// deletedSuffix is what the kernel appends to a loop device's backing file
-// once that file has been unlinked (or renamed over) while still bound.
-const deletedSuffix = " (deleted)"
-
 // bound returns the loop devices bound to image (an absolute path free of
 // symlinks). current are bound to the file that is at that path now: same
-// path and, asked of the device itself (LOOP_GET_STATUS64), same inode.
-// stale are bound to an earlier file of that name that has been deleted or
+// path and, asked of the device itself, same inode (loop.BoundTo). stale
+// are bound to an earlier file of that name that has been deleted or
 // replaced; they are leftovers to detach, and must never be mounted as if
 // they held the current image.
 func bound(image string) (current, stale []string, err error) {
@@ -29,24 +25,15 @@ func bound(image string) (current, stale []string, err error) {
 	if err != nil {
 		return nil, nil, fmt.Errorf("imagestore: listing loop devices: %w", err)
 	}
-	var st unix.Stat_t
-	statErr := unix.Stat(image, &st)
-	if statErr != nil && !errors.Is(statErr, unix.ENOENT) {
-		return nil, nil, fmt.Errorf("imagestore: stat %s: %w", image, statErr)
-	}
 	for _, a := range all {
-		path, deleted := strings.CutSuffix(a.BackingFile, deletedSuffix)
-		if path != image {
+		named, err := loop.NamedBy(a.Device, image)
+		if err != nil {
+			return nil, nil, fmt.Errorf("imagestore: %w", err)
+		}
+		if !named {
 			continue
 		}
-		if deleted || statErr != nil {
-			stale = append(stale, a.Device)
-			continue
-		}
-		same, err := boundToInode(a.Device, st.Dev, st.Ino)
-		if errors.Is(err, unix.ENXIO) || errors.Is(err, os.ErrNotExist) {
-			continue // detached meanwhile
-		}
+		same, err := loop.BoundTo(a.Device, image)
 		if err != nil {
 			return nil, nil, fmt.Errorf("imagestore: %w", err)
 		}
@@ -59,24 +46,6 @@ func bound(image string) (current, stale []string, err error) {
 	return current, stale, nil
 }
 
-// boundToInode asks dev which inode it is bound to. The device number in
-// loop_info64 and st_dev use the same encoding.
-func boundToInode(dev string, stDev, ino uint64) (bool, error) {
-	if !loop.ValidDevice(dev) {
-		return false, fmt.Errorf("%q is not a loop device", dev)
-	}
-	f, err := os.OpenFile(dev, os.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return false, err
-	}
-	defer f.Close()
-	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
-	if err != nil {
-		return false, fmt.Errorf("LOOP_GET_STATUS64 on %s: %w", dev, err)
-	}
-	return info.Device == stDev && info.Inode == ino, nil
-}
-
 // backingPath is the file dev is bound to without the kernel's deleted
 // marker, or "" for a device that is not a loop device or not bound.
 func backingPath(dev string) string {
@@ -87,7 +56,7 @@ func backingPath(dev string) string {
 	if err != nil {
 		return ""
 	}
-	p, _ := strings.CutSuffix(b, deletedSuffix)
+	p, _ := strings.CutSuffix(b, loop.DeletedSuffix)
 	return p
 }
 

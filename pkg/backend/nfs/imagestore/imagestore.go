@@ -1089,7 +1089,7 @@ func (s *Store) detachOrphans(ctx context.Context) error {
 	}
 	var errs []error
 	for _, a := range all {
-		path, deleted := strings.CutSuffix(a.BackingFile, deletedSuffix)
+		path, deleted := strings.CutSuffix(a.BackingFile, loop.DeletedSuffix)
 		if !s.inImages(path) {
 			continue
 		}
@@ -1130,7 +1130,7 @@ func (s *Store) Release() error {
 	}
 	done := map[string]bool{}
 	for _, a := range all {
-		path, _ := strings.CutSuffix(a.BackingFile, deletedSuffix)
+		path, _ := strings.CutSuffix(a.BackingFile, loop.DeletedSuffix)
 		if !s.inImages(path) || done[path] {
 			continue
 		}

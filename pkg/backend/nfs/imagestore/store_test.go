@@ -23,6 +23,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/modeguard/modeguard/pkg/backend/block/loop"
 	mtab "github.com/modeguard/modeguard/pkg/mounts"
 )
 
@@ -724,7 +725,7 @@ func TestStaleDeviceNotReused(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(mnt, "old")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("new volume shows the deleted one's data: %v", err)
 	}
-	if backing, _ := os.ReadFile("/sys/block/" + filepath.Base(old) + "/loop/backing_file"); strings.Contains(string(backing), image) && strings.Contains(string(backing), deletedSuffix) {
+	if backing, _ := os.ReadFile("/sys/block/" + filepath.Base(old) + "/loop/backing_file"); strings.Contains(string(backing), image) && strings.Contains(string(backing), loop.DeletedSuffix) {
 		t.Errorf("%s is still bound to the deleted image", old)
 	}
 }

@@ -227,26 +227,23 @@ func ensureImage(ctx context.Context, image string, size int64) (created bool, e
 // attachImage returns a loop device bound to image: one left bound and
 // unmounted by an interrupted earlier start, or a new one.
 func attachImage(ctx context.Context, image string) (string, error) {
-	attached, err := loop.List()
+	// This image, not a deleted one of its name.
+	attached, err := loop.DevicesOf(image)
 	if err != nil {
-		return "", fmt.Errorf("projquota: listing loop devices: %w", err)
+		return "", fmt.Errorf("projquota: listing the loop devices of %s: %w", image, err)
 	}
 	mounts, err := mtab.All()
 	if err != nil {
 		return "", fmt.Errorf("projquota: reading %s: %w", mountInfoPath, err)
 	}
-	for _, a := range attached {
-		ours, err := loop.BoundTo(a.Device, image) // this image, not a deleted one of its name
-		if err != nil || !ours {
-			continue
-		}
+	for _, dev := range attached {
 		for _, m := range mounts {
-			if m.Source == a.Device {
-				return "", fmt.Errorf("projquota: pool image %s is already mounted at %s (through %s)", image, m.Mountpoint, a.Device)
+			if m.Source == dev {
+				return "", fmt.Errorf("projquota: pool image %s is already mounted at %s (through %s)", image, m.Mountpoint, dev)
 			}
 		}
-		klog.InfoS("Reusing loop device still bound to the pool image", "device", a.Device, "image", image)
-		return a.Device, nil
+		klog.InfoS("Reusing loop device still bound to the pool image", "device", dev, "image", image)
+		return dev, nil
 	}
 	dev, err := loop.Attach(ctx, image, false)
 	if err != nil {
