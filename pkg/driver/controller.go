@@ -714,6 +714,13 @@ func (s *controllerServer) DeleteVolume(ctx context.Context, req *csi.DeleteVolu
 	defer release()
 	vol, err := ctrl.Volume(ctx, id)
 	if status.Code(err) == codes.NotFound {
+		// Gone for every lookup, but a deletion begun earlier may still
+		// have data to remove, or a creation abandoned may still copy: the
+		// backend finishes or cancels it (and answers OK when nothing is
+		// left).
+		if err := ctrl.DeleteVolume(ctx, id); err != nil {
+			return nil, err
+		}
 		return &csi.DeleteVolumeResponse{}, nil
 	}
 	if err != nil {

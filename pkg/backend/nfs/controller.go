@@ -38,6 +38,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -97,11 +98,25 @@ type volumeRecord struct {
 	Volume    backend.Volume `json:"volume"`
 	ExportID  uint16         `json:"exportID"`
 	ProjectID uint32         `json:"projectID"`
+	// Deleting marks a volume whose deletion began: it is no volume any
+	// more, but its project id and bytes stay taken until its data is gone.
+	Deleting bool `json:"deleting,omitempty"`
 }
 
 type snapshotRecord struct {
 	Snapshot  backend.Snapshot `json:"snapshot"`
 	ProjectID uint32           `json:"projectID"`
+	Deleting  bool             `json:"deleting,omitempty"`
+}
+
+// removal is a deletion begun (its record marked Deleting) and not yet
+// complete: the export and data to remove, and what they hold.
+type removal struct {
+	meta     string // the record's file
+	rel      string // the data
+	exportID uint16 // 0 for a snapshot
+	project  uint32
+	bytes    int64
 }
 
 // Controller implements backend.Controller for NFS.
@@ -115,6 +130,9 @@ type Controller struct {
 	exportIDs map[uint16]string // export id -> volume id, including reservations
 	projects  map[uint32]string // project id -> volume or snapshot id, including reservations
 	committed int64             // bytes promised to volumes and snapshots
+	// removals are deletions whose data is not gone yet, by id. Their
+	// export ids, project ids and bytes stay in the maps above meanwhile.
+	removals map[string]*removal
 }
 
 var _ backend.Controller = (*Controller)(nil)
@@ -135,7 +153,7 @@ func NewController(ctx context.Context, cfg Config) (*Controller, error) {
 		cfg.Port = 2049
 	}
 	c := &Controller{cfg: cfg, volumes: map[string]*volumeRecord{}, snapshots: map[string]*snapshotRecord{},
-		exportIDs: map[uint16]string{}, projects: map[uint32]string{}}
+		exportIDs: map[uint16]string{}, projects: map[uint32]string{}, removals: map[string]*removal{}}
 	for _, d := range []string{c.dir("volumes"), c.dir("snapshots"), c.dir("meta", "volumes"), c.dir("meta", "snapshots"), cfg.ExportDir} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, err
@@ -217,7 +235,12 @@ func (c *Controller) load() error {
 		if err != nil || id.FileName()+".json" != e.Name() {
 			return fmt.Errorf("nfs: volume record %s names volume %q", e.Name(), rec.Volume.ID)
 		}
-		c.volumes[rec.Volume.ID] = rec
+		if rec.Deleting {
+			c.removals[rec.Volume.ID] = &removal{meta: c.dir("meta", "volumes", e.Name()), rel: c.volumeRel(id),
+				exportID: rec.ExportID, project: rec.ProjectID, bytes: rec.Volume.CapacityBytes}
+		} else {
+			c.volumes[rec.Volume.ID] = rec
+		}
 		c.exportIDs[rec.ExportID] = rec.Volume.ID
 		c.projects[rec.ProjectID] = rec.Volume.ID
 		c.committed += rec.Volume.CapacityBytes
@@ -234,7 +257,16 @@ func (c *Controller) load() error {
 		if err := fsutil.ReadJSON(c.dir("meta", "snapshots", e.Name()), rec); err != nil {
 			return fmt.Errorf("nfs: a snapshot record is unreadable: %w", err)
 		}
-		c.snapshots[rec.Snapshot.ID] = rec
+		if rec.Deleting {
+			id, err := volumeid.ParseKind(rec.Snapshot.ID, volumeid.Snapshot)
+			if err != nil {
+				return fmt.Errorf("nfs: snapshot record %s names snapshot %q", e.Name(), rec.Snapshot.ID)
+			}
+			c.removals[rec.Snapshot.ID] = &removal{meta: c.dir("meta", "snapshots", e.Name()), rel: c.snapshotRel(id),
+				project: rec.ProjectID, bytes: rec.Snapshot.SizeBytes}
+		} else {
+			c.snapshots[rec.Snapshot.ID] = rec
+		}
 		c.projects[rec.ProjectID] = rec.Snapshot.ID
 		c.committed += rec.Snapshot.SizeBytes
 	}
@@ -316,6 +348,13 @@ func (c *Controller) reconcileOnline(ctx context.Context) error {
 	}
 	if err != nil {
 		return fmt.Errorf("nfs: removing leftovers: %w", err)
+	}
+	// Deletions an earlier run began: finished now if their data can go,
+	// else kept, with what they hold, for a retried delete.
+	for id, r := range c.removalsCopy() {
+		if err := c.finishRemoval(ctx, id, r); err != nil {
+			klog.ErrorS(err, "A deletion begun earlier cannot finish yet; its project id and bytes stay reserved", "id", id)
+		}
 	}
 	for _, rec := range c.volumes {
 		if err := c.applyExport(ctx, rec); err != nil {
@@ -619,6 +658,9 @@ func (c *Controller) Volume(ctx context.Context, id volumeid.ID) (*backend.Volum
 }
 
 func (c *Controller) DeleteVolume(ctx context.Context, id volumeid.ID) error {
+	if r := c.removalOf(id.String()); r != nil {
+		return c.finishRemoval(ctx, id.String(), r)
+	}
 	rec, err := c.record(id)
 	if status.Code(err) == codes.NotFound {
 		return nil
@@ -626,26 +668,63 @@ func (c *Controller) DeleteVolume(ctx context.Context, id volumeid.ID) error {
 	if err != nil {
 		return err
 	}
-	// Access goes first, then the record, then the data.
-	if err := c.exporter.RemoveExport(ctx, rec.ExportID); err != nil && !ganesha.IsNotFound(err) {
-		c.controlFailed(OpRemoveExport)
-		return status.Errorf(codes.Unavailable, "removing the export of %s: %v", id, err)
+	// The record is marked first: from here on the volume is gone for
+	// every lookup, and a crash at any later step leaves a deletion the
+	// next start (or a retry) finishes, never a volume without its data.
+	rec.Deleting = true
+	if err := fsutil.WriteJSONAtomic(c.volumeMeta(id), rec); err != nil {
+		return status.Errorf(codes.Internal, "marking %s deleted: %v", id, err)
 	}
-	fpDeleteExportRemoved.Hit()
-	if err := fsutil.RemoveDurably(c.exportFile(id)); err != nil {
-		return status.Errorf(codes.Internal, "removing the export file of %s: %v", id, err)
+	r := &removal{meta: c.volumeMeta(id), rel: c.volumeRel(id), exportID: rec.ExportID, project: rec.ProjectID, bytes: rec.Volume.CapacityBytes}
+	c.mu.Lock()
+	delete(c.volumes, id.String())
+	c.removals[id.String()] = r
+	c.mu.Unlock()
+	return c.finishRemoval(ctx, id.String(), r)
+}
+
+func (c *Controller) removalOf(id string) *removal {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.removals[id]
+}
+
+func (c *Controller) removalsCopy() map[string]*removal {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return maps.Clone(c.removals)
+}
+
+// finishRemoval removes a deleted volume's export (access goes first), its
+// data, then its record, and only then gives back its export id, project
+// id and bytes: a project id whose files are still there would count them
+// against the next volume it is given to, and bytes given back for data
+// still on disk would be promised twice. A failure leaves the rest for a
+// retry of the delete or the next start.
+func (c *Controller) finishRemoval(ctx context.Context, id string, r *removal) error {
+	if r.exportID != 0 {
+		if err := c.exporter.RemoveExport(ctx, r.exportID); err != nil && !ganesha.IsNotFound(err) {
+			c.controlFailed(OpRemoveExport)
+			return status.Errorf(codes.Unavailable, "removing the export of %s: %v", id, err)
+		}
+		fpDeleteExportRemoved.Hit()
+		if err := fsutil.RemoveDurably(filepath.Join(c.cfg.ExportDir, filepath.Base(r.rel)+".conf")); err != nil {
+			return status.Errorf(codes.Internal, "removing the export file of %s: %v", id, err)
+		}
 	}
-	if err := fsutil.RemoveDurably(c.volumeMeta(id)); err != nil {
+	if err := c.cfg.Storage.Remove(ctx, r.rel, r.project); err != nil {
+		return status.Errorf(codes.Internal,
+			"removing the data of %s: %v; its project id %d and %d bytes stay reserved until a retried delete or the next start removes it",
+			id, err, r.project, r.bytes)
+	}
+	if err := fsutil.RemoveDurably(r.meta); err != nil {
 		return status.Errorf(codes.Internal, "removing the record of %s: %v", id, err)
 	}
 	fpDeleteRecordRemoved.Hit()
 	c.mu.Lock()
-	delete(c.volumes, id.String())
+	delete(c.removals, id)
 	c.mu.Unlock()
-	if err := c.cfg.Storage.Remove(ctx, c.volumeRel(id), rec.ProjectID); err != nil {
-		klog.ErrorS(err, "Removing the data of a deleted volume; the next start removes it", "volumeID", id)
-	}
-	c.release(rec.ExportID, rec.ProjectID, rec.Volume.CapacityBytes)
+	c.release(r.exportID, r.project, r.bytes)
 	return nil
 }
 
@@ -791,23 +870,26 @@ func (c *Controller) Snapshot(ctx context.Context, id volumeid.ID) (*backend.Sna
 }
 
 func (c *Controller) DeleteSnapshot(ctx context.Context, id volumeid.ID) error {
+	if r := c.removalOf(id.String()); r != nil {
+		return c.finishRemoval(ctx, id.String(), r)
+	}
 	c.mu.Lock()
 	rec, ok := c.snapshots[id.String()]
 	c.mu.Unlock()
 	if !ok {
 		return nil
 	}
-	if err := fsutil.RemoveDurably(c.snapshotMeta(id)); err != nil {
-		return status.Errorf(codes.Internal, "removing the record of %s: %v", id, err)
+	marked := *rec
+	marked.Deleting = true
+	if err := fsutil.WriteJSONAtomic(c.snapshotMeta(id), &marked); err != nil {
+		return status.Errorf(codes.Internal, "marking %s deleted: %v", id, err)
 	}
+	r := &removal{meta: c.snapshotMeta(id), rel: c.snapshotRel(id), project: rec.ProjectID, bytes: rec.Snapshot.SizeBytes}
 	c.mu.Lock()
 	delete(c.snapshots, id.String())
+	c.removals[id.String()] = r
 	c.mu.Unlock()
-	if err := c.cfg.Storage.Remove(ctx, c.snapshotRel(id), rec.ProjectID); err != nil {
-		klog.ErrorS(err, "Removing the data of a deleted snapshot; the next start removes it", "snapshotID", id)
-	}
-	c.release(0, rec.ProjectID, rec.Snapshot.SizeBytes)
-	return nil
+	return c.finishRemoval(ctx, id.String(), r)
 }
 
 func (c *Controller) ListSnapshots(ctx context.Context) ([]*backend.Snapshot, error) {

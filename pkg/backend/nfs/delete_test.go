@@ -1,0 +1,142 @@
+package nfs_test
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/backend/nfs"
+	"github.com/modeguard/modeguard/pkg/backend/nfs/imagestore"
+	"github.com/modeguard/modeguard/pkg/volumeid"
+)
+
+// TestDeleteHoldsWhatUndeletedDataHolds_RecordingGanesha: on the real
+// image storage (xfs images on loop devices), a volume whose data cannot be
+// removed (its filesystem busy) is gone for every lookup once DeleteVolume
+// is called, but DeleteVolume fails (INTERNAL, saying what stays reserved)
+// and its project id and bytes stay taken: a new volume does not get its
+// project id and capacity is not given back. A retry once the data can go
+// completes the deletion and gives them back; so does the next start.
+// ganesha's bus is the recording stand-in (no export is mounted here).
+func TestDeleteHoldsWhatUndeletedDataHolds_RecordingGanesha(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: loop devices and mounts")
+	}
+	ctx := context.Background()
+	root, exportDir := t.TempDir(), t.TempDir()
+	var storage nfs.Storage
+	open := func() *nfs.Controller {
+		t.Helper()
+		store, err := imagestore.Open(ctx, root)
+		if err != nil {
+			t.Fatal(err)
+		}
+		storage = nfs.NewImageStorage(store)
+		ctrl, err := nfs.NewController(ctx, nfs.Config{Storage: storage, ExportDir: exportDir, Server: "10.0.0.1"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ctrl.Start(ctx, &recordingGanesha{applied: map[uint16]string{}}); err != nil {
+			t.Fatal(err)
+		}
+		return ctrl
+	}
+	ctrl := open()
+	t.Cleanup(func() {
+		if err := storage.Release(); err != nil {
+			t.Errorf("releasing the image storage: %v", err)
+		}
+	})
+	create := func(name string) (*backend.Volume, uint32) {
+		t.Helper()
+		id, err := volumeid.New(accessmode.BackendNFS, "", volumeid.Volume, volumeid.KeyFor("test", volumeid.Volume, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		v, err := ctrl.CreateVolume(ctx, backend.VolumeSpec{ID: id, Name: name, CapacityBytes: 300 << 20,
+			AccessType: accessmode.Mount, Modes: []accessmode.Mode{accessmode.MultiNodeMultiWriter}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v, projectOf(t, root, id)
+	}
+	// What the pool has promised (free space itself moves with whatever
+	// else the machine writes).
+	committed := func() int64 {
+		t.Helper()
+		p, err := ctrl.Pools(ctx)
+		if err != nil || len(p) != 1 {
+			t.Fatalf("Pools: %v, %v", p, err)
+		}
+		return p[0].CommittedBytes
+	}
+
+	doomed, project := create("doomed")
+	id, _ := volumeid.Parse(doomed.ID)
+	// A file open in the volume keeps its filesystem busy: it cannot be
+	// unmounted, so its image cannot go.
+	busy, err := os.Open(filepath.Join(root, "volumes", id.FileName()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	held := committed()
+	err = ctrl.DeleteVolume(ctx, id)
+	if status.Code(err) != codes.Internal {
+		busy.Close()
+		t.Fatalf("DeleteVolume of a volume whose data cannot be removed: %v, want INTERNAL", err)
+	}
+	if _, err := ctrl.Volume(ctx, id); status.Code(err) != codes.NotFound {
+		t.Errorf("the volume whose deletion began: %v, want NotFound", err)
+	}
+	if got := committed(); got != held {
+		t.Errorf("%d bytes committed after the failed deletion, %d before: its bytes were given back while its data is there", got, held)
+	}
+	if _, p := create("next"); p == project {
+		t.Errorf("a new volume got project id %d, still held by the undeleted data", p)
+	}
+	afterNext := committed()
+
+	// The next start does not resurrect it and does not give back what it holds.
+	busy.Close()
+	if err := storage.Release(); err != nil {
+		t.Fatal(err)
+	}
+	ctrl = open()
+	if _, err := ctrl.Volume(ctx, id); status.Code(err) != codes.NotFound {
+		t.Errorf("after a restart the volume whose deletion began: %v, want NotFound", err)
+	}
+	// The start finished the deletion (nothing holds the data now): its
+	// bytes are back, and a retried delete is OK.
+	if got := committed(); got != afterNext-doomed.CapacityBytes {
+		t.Errorf("%d bytes committed after the restart finished the deletion, %d before: want its %d bytes given back", got, afterNext, doomed.CapacityBytes)
+	}
+	if err := ctrl.DeleteVolume(ctx, id); err != nil {
+		t.Errorf("DeleteVolume retried after the deletion finished: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(root, "meta", "volumes", id.FileName()+".json")); !os.IsNotExist(err) {
+		t.Errorf("the record of the deleted volume: %v, want it gone", err)
+	}
+}
+
+// projectOf reads a volume's project id from its record.
+func projectOf(t *testing.T, root string, id volumeid.ID) uint32 {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(root, "meta", "volumes", id.FileName()+".json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rec struct {
+		ProjectID uint32 `json:"projectID"`
+	}
+	if err := json.Unmarshal(data, &rec); err != nil {
+		t.Fatal(err)
+	}
+	return rec.ProjectID
+}
