@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 
 	"k8s.io/klog/v2"
@@ -11,6 +12,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha"
 	"github.com/modeguard/modeguard/pkg/backend/nfs/imagestore"
 	"github.com/modeguard/modeguard/pkg/backend/nfs/projquota"
+	"github.com/modeguard/modeguard/pkg/fsutil"
 )
 
 // Options are the controller's NFS flags.
@@ -110,16 +112,97 @@ func Setup(ctx context.Context, o Options) (*Controller, func(), error) {
 	return c, stop, nil
 }
 
-// openStorage picks and opens the storage the options ask for.
-func openStorage(ctx context.Context, o Options) (Storage, error) {
-	mode := o.Storage
-	if mode == "" || mode == "auto" {
-		mode = "images"
-		if projquota.KernelSupportsQuota() {
-			mode = "quota"
-		}
-		klog.InfoS("NFS storage chosen", "storage", mode, "reason", "--nfs-storage=auto and xfs quota support is "+map[bool]string{true: "present", false: "absent"}[mode == "quota"])
+// storageRecordName is the file in the export root that says which storage
+// holds its volumes: a later start must read them the same way.
+const storageRecordName = ".modeguard-nfs-storage.json"
+
+type storageRecord struct {
+	Storage string `json:"storage"`
+}
+
+// chooseStorage decides the storage from what was asked (--nfs-storage),
+// what the export root records ("" when nothing is recorded yet) and
+// whether this kernel has xfs quota support. auto takes the recorded
+// storage, else quota where the kernel supports it; an explicit choice
+// that contradicts the record is refused rather than misreading the
+// volumes already there.
+func chooseStorage(asked, recorded string, quotaSupported bool) (string, error) {
+	switch asked {
+	case "", "auto", "quota", "images":
+	default:
+		return "", fmt.Errorf("nfs: --nfs-storage=%q is not one of auto, quota, images", asked)
 	}
+	switch recorded {
+	case "", "quota", "images":
+	default:
+		return "", fmt.Errorf("nfs: the export root records storage %q (%s), which this driver does not know", recorded, storageRecordName)
+	}
+	chosen := asked
+	switch {
+	case recorded != "" && (asked == "" || asked == "auto" || asked == recorded):
+		chosen = recorded
+	case recorded != "":
+		return "", fmt.Errorf("nfs: the export root holds %s storage (recorded in %s) and --nfs-storage=%s would misread its volumes; "+
+			"start with --nfs-storage=%s or auto, or move the volumes off and remove the record", recorded, storageRecordName, asked, recorded)
+	case asked == "" || asked == "auto":
+		chosen = "images"
+		if quotaSupported {
+			chosen = "quota"
+		}
+	}
+	if chosen == "quota" && !quotaSupported {
+		return "", fmt.Errorf("nfs: the export root's volumes are in quota storage (xfs project quotas), and this kernel has no xfs quota support (CONFIG_XFS_QUOTA); " +
+			"run the controller on a kernel with it")
+	}
+	return chosen, nil
+}
+
+// recordedStorage reads the export root's record, or infers the storage
+// of an export root made before records were kept from what each storage
+// leaves there ("" for a fresh root).
+func recordedStorage(root string) (string, error) {
+	var rec storageRecord
+	err := fsutil.ReadJSON(filepath.Join(root, storageRecordName), &rec)
+	switch {
+	case err == nil:
+		return rec.Storage, nil
+	case !errors.Is(err, os.ErrNotExist):
+		return "", fmt.Errorf("nfs: reading %s: %w", storageRecordName, err)
+	}
+	if _, err := os.Stat(filepath.Join(root, imagestore.ImagesDirName)); err == nil {
+		return "images", nil
+	}
+	if _, err := os.Stat(filepath.Join(root, projquota.MountDirName)); err == nil {
+		return "quota", nil
+	}
+	return "", nil
+}
+
+// openStorage picks (chooseStorage), opens and records the storage.
+func openStorage(ctx context.Context, o Options) (Storage, error) {
+	recorded, err := recordedStorage(o.ExportRoot)
+	if err != nil {
+		return nil, err
+	}
+	mode, err := chooseStorage(o.Storage, recorded, projquota.KernelSupportsQuota())
+	if err != nil {
+		return nil, err
+	}
+	klog.InfoS("NFS storage chosen", "storage", mode, "asked", o.Storage, "recorded", recorded)
+	storage, err := openStorageOf(ctx, mode, o)
+	if err != nil {
+		return nil, err
+	}
+	if recorded == "" || recorded != mode {
+		if err := fsutil.WriteJSONAtomic(filepath.Join(o.ExportRoot, storageRecordName), storageRecord{Storage: mode}); err != nil {
+			_ = storage.Release()
+			return nil, fmt.Errorf("nfs: recording the storage choice: %w", err)
+		}
+	}
+	return storage, nil
+}
+
+func openStorageOf(ctx context.Context, mode string, o Options) (Storage, error) {
 	switch mode {
 	case "quota":
 		pool, release, err := projquota.Prepare(ctx, o.ExportRoot, o.PoolImageSize)
@@ -134,5 +217,5 @@ func openStorage(ctx context.Context, o Options) (Storage, error) {
 		}
 		return NewImageStorage(store), nil
 	}
-	return nil, fmt.Errorf("nfs: --nfs-storage=%q is not one of auto, quota, images", o.Storage)
+	return nil, fmt.Errorf("nfs: unknown storage %q", mode)
 }

@@ -118,11 +118,14 @@ const MinSize int64 = 300 << 20
 // may mount this volume", like an emptyDir.
 const RootDirMode os.FileMode = 0o777
 
+// ImagesDirName is the directory of the images below the root, which no
+// other storage makes.
+const ImagesDirName = "images"
+
 const (
-	imagesDirName = "images"
-	imageExt      = ".img"
-	tempMarker    = ".tmp-"
-	nameSep       = "__"
+	imageExt   = ".img"
+	tempMarker = ".tmp-"
+	nameSep    = "__"
 
 	imagesDirMode os.FileMode = 0o700
 	mountDirMode  os.FileMode = 0o755
@@ -173,7 +176,7 @@ func Open(ctx context.Context, root string) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("imagestore: %w", err)
 	}
-	images := filepath.Join(resolved, imagesDirName)
+	images := filepath.Join(resolved, ImagesDirName)
 	if err := makeDir(images, imagesDirMode); err != nil {
 		return nil, err
 	}
@@ -205,7 +208,7 @@ func checkRel(rel string) error {
 		return fmt.Errorf("imagestore: rel %q is not of the form <group>/<name>", rel)
 	case strings.Contains(group, "_"):
 		return fmt.Errorf("imagestore: rel %q: the group %q must not contain '_' (image names would be ambiguous)", rel, group)
-	case group == imagesDirName:
+	case group == ImagesDirName:
 		return fmt.Errorf("imagestore: rel %q: the group %q is where the images are kept", rel, group)
 	}
 	return nil

@@ -83,7 +83,7 @@ func TestImageNames(t *testing.T) {
 // anything, so this needs no real store.
 func TestMethodsRefuseBadRels(t *testing.T) {
 	root := t.TempDir()
-	s := &Store{root: root, images: filepath.Join(root, imagesDirName)}
+	s := &Store{root: root, images: filepath.Join(root, ImagesDirName)}
 	if err := os.Mkdir(s.images, imagesDirMode); err != nil {
 		t.Fatal(err)
 	}

@@ -1001,7 +1001,7 @@ func TestOpen(t *testing.T) {
 	if err := os.Symlink(dir, link); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Mkdir(filepath.Join(dir, imagesDirName), 0o755); err != nil {
+	if err := os.Mkdir(filepath.Join(dir, ImagesDirName), 0o755); err != nil {
 		t.Fatal(err)
 	}
 	s, err := Open(context.Background(), link)
@@ -1011,7 +1011,7 @@ func TestOpen(t *testing.T) {
 	if s.Root() != dir {
 		t.Errorf("Root %s, want %s", s.Root(), dir)
 	}
-	if st, err := os.Stat(filepath.Join(dir, imagesDirName)); err != nil || st.Mode().Perm() != imagesDirMode {
+	if st, err := os.Stat(filepath.Join(dir, ImagesDirName)); err != nil || st.Mode().Perm() != imagesDirMode {
 		t.Errorf("images directory: %v %v", st.Mode(), err)
 	}
 	if s.MinSize() != 300*MiB {
@@ -1019,7 +1019,7 @@ func TestOpen(t *testing.T) {
 	}
 	// images must be a directory of its own, not a symlink.
 	dir2 := t.TempDir()
-	if err := os.Symlink(dir, filepath.Join(dir2, imagesDirName)); err != nil {
+	if err := os.Symlink(dir, filepath.Join(dir2, ImagesDirName)); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := Open(context.Background(), dir2); err == nil {
