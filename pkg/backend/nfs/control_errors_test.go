@@ -40,6 +40,13 @@ func (d dirStorage) Size() (int64, error)                                       
 func (d dirStorage) Restore(context.Context, string, uint32) error               { return nil }
 func (d dirStorage) Prune(context.Context, map[string]bool) ([]string, error)    { return nil, nil }
 func (d dirStorage) Release() error                                              { return nil }
+func (d dirStorage) CopiesAtOnePoint() bool                                      { return true }
+
+// walkingStorage copies as the quota storage does: file by file, not as of
+// one instant.
+type walkingStorage struct{ dirStorage }
+
+func (walkingStorage) CopiesAtOnePoint() bool { return false }
 
 // flakyGanesha fails the operations it is told to.
 type flakyGanesha struct {

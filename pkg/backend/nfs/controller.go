@@ -567,13 +567,31 @@ func (c *Controller) sourceTree(src *backend.Source) (string, error) {
 	if err != nil || id.Backend != accessmode.BackendNFS {
 		return "", status.Errorf(codes.InvalidArgument, "volume %q is not an NFS volume; an NFS volume can only be cloned from one", src.VolumeID)
 	}
-	c.mu.Lock()
-	_, ok := c.volumes[id.String()]
-	c.mu.Unlock()
-	if !ok {
-		return "", status.Errorf(codes.NotFound, "volume %s does not exist", src.VolumeID)
+	rec, err := c.record(id)
+	if err != nil {
+		return "", err
+	}
+	if err := c.copyable(&rec.Volume); err != nil {
+		return "", err
 	}
 	return c.volumeRel(id), nil
+}
+
+// copyable refuses to copy a volume that a node may be writing when the
+// storage cannot copy it as of one instant: a copy of a tree that changes
+// under it could hold half of what an application wrote and acknowledged.
+func (c *Controller) copyable(vol *backend.Volume) error {
+	if c.cfg.Storage.CopiesAtOnePoint() {
+		return nil
+	}
+	for _, a := range vol.Attachments {
+		if !a.ReadOnly {
+			return status.Errorf(codes.FailedPrecondition,
+				"volume %s is attached read-write to node %s, and this server's quota storage copies a volume file by file, not as of one instant; "+
+					"copy it once no node has it attached for writing", vol.ID, a.Node())
+		}
+	}
+	return nil
 }
 
 func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) (*backend.Volume, error) {
@@ -832,6 +850,9 @@ func (c *Controller) VolumeHealth(ctx context.Context, id volumeid.ID) (backend.
 func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name string, source volumeid.ID) (*backend.Snapshot, error) {
 	src, err := c.record(source)
 	if err != nil {
+		return nil, err
+	}
+	if err := c.copyable(&src.Volume); err != nil {
 		return nil, err
 	}
 	_, project, err := c.reserve(ctx, id.String(), false, src.Volume.CapacityBytes)

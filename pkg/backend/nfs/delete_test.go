@@ -140,3 +140,57 @@ func projectOf(t *testing.T, root string, id volumeid.ID) uint32 {
 	}
 	return rec.ProjectID
 }
+
+// TestNoCopyOfATreeBeingWritten_RecordingGanesha: where the storage copies
+// a volume file by file (the quota storage), a volume attached read-write
+// is neither snapshotted nor cloned (FAILED_PRECONDITION): the copy could
+// hold half of what was written and acknowledged. Attached read-only, or
+// detached, it copies. (The directory storage stands in for the quota
+// storage, which needs a kernel with xfs quota support; ganesha's bus is
+// the recording stand-in.)
+func TestNoCopyOfATreeBeingWritten_RecordingGanesha(t *testing.T) {
+	ctx := context.Background()
+	ctrl, err := nfs.NewController(ctx, nfs.Config{Storage: walkingStorage{dirStorage{t.TempDir()}}, ExportDir: t.TempDir(), Server: "10.0.0.1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ctrl.Start(ctx, &recordingGanesha{applied: map[uint16]string{}}); err != nil {
+		t.Fatal(err)
+	}
+	newID := func(kind volumeid.Kind, name string) volumeid.ID {
+		id, err := volumeid.New(accessmode.BackendNFS, "", kind, volumeid.KeyFor("test", kind, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	src := newID(volumeid.Volume, "src")
+	spec := backend.VolumeSpec{ID: src, Name: "src", CapacityBytes: 64 << 20, AccessType: accessmode.Mount,
+		Modes: []accessmode.Mode{accessmode.MultiNodeMultiWriter}}
+	if _, err := ctrl.CreateVolume(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	writer := accessmode.Attachment{NodeID: "n1@zone-a@10.0.0.2", Mode: accessmode.MultiNodeMultiWriter}
+	if _, err := ctrl.SetAttachments(ctx, src, []accessmode.Attachment{writer}); err != nil {
+		t.Fatal(err)
+	}
+	clone := spec
+	clone.ID, clone.Name, clone.Source = newID(volumeid.Volume, "clone"), "clone", &backend.Source{VolumeID: src.String()}
+	_, err = ctrl.CreateSnapshot(ctx, newID(volumeid.Snapshot, "s1"), "s1", src)
+	if status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("snapshot of a volume attached read-write: %v, want FAILED_PRECONDITION", err)
+	}
+	if _, err := ctrl.CreateVolume(ctx, clone); status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("clone of a volume attached read-write: %v, want FAILED_PRECONDITION", err)
+	}
+	reader := accessmode.Attachment{NodeID: "n1@zone-a@10.0.0.2", Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true}
+	if _, err := ctrl.SetAttachments(ctx, src, []accessmode.Attachment{reader}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ctrl.CreateSnapshot(ctx, newID(volumeid.Snapshot, "s2"), "s2", src); err != nil {
+		t.Fatalf("snapshot of a volume attached read-only: %v", err)
+	}
+	if _, err := ctrl.CreateVolume(ctx, clone); err != nil {
+		t.Fatalf("clone of a volume attached read-only: %v", err)
+	}
+}

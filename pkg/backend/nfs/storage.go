@@ -26,6 +26,10 @@ type Storage interface {
 	Create(ctx context.Context, rel string, project uint32, limit int64) error
 	Grow(ctx context.Context, rel string, project uint32, limit int64) error
 	Copy(ctx context.Context, srcRel, dstRel string, project uint32, limit int64) error
+	// CopiesAtOnePoint says whether Copy takes the source as it was at one
+	// instant however its writers go on (crash-consistent), or walks a tree
+	// that may change under it.
+	CopiesAtOnePoint() bool
 	Remove(ctx context.Context, rel string, project uint32) error
 	Usage(ctx context.Context, rel string, project uint32) (used, limit int64, err error)
 	// Free and Size are the backing filesystem's available and total bytes.
@@ -61,6 +65,10 @@ func (q *quotaStorage) Grow(ctx context.Context, rel string, project uint32, lim
 func (q *quotaStorage) Copy(ctx context.Context, srcRel, dstRel string, project uint32, limit int64) error {
 	return q.pool.CopyTree(ctx, srcRel, dstRel, project, limit)
 }
+
+// CopiesAtOnePoint is false: the copy walks the tree file by file (each a
+// reflink), so files written meanwhile may be copied before or after.
+func (q *quotaStorage) CopiesAtOnePoint() bool { return false }
 func (q *quotaStorage) Remove(ctx context.Context, rel string, project uint32) error {
 	return q.pool.RemoveDir(ctx, rel, project)
 }
@@ -126,6 +134,10 @@ func (i *imageStorage) Grow(ctx context.Context, rel string, _ uint32, limit int
 func (i *imageStorage) Copy(ctx context.Context, srcRel, dstRel string, _ uint32, limit int64) error {
 	return i.store.Copy(ctx, srcRel, dstRel, limit)
 }
+
+// CopiesAtOnePoint is true: the source's filesystem is frozen while its
+// files are copied.
+func (i *imageStorage) CopiesAtOnePoint() bool { return true }
 func (i *imageStorage) Remove(ctx context.Context, rel string, _ uint32) error {
 	return i.store.Remove(ctx, rel)
 }
