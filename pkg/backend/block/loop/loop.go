@@ -165,7 +165,9 @@ func BackingFile(dev string) (string, error) {
 		return "", fmt.Errorf("%q is not a loop device", dev)
 	}
 	v, err := readSys(dev, "loop/backing_file")
-	if errors.Is(err, os.ErrNotExist) {
+	// A device detached while this reads (by whoever owns it) answers
+	// ENODEV from sysfs, or its attribute is gone: not bound, either way.
+	if errors.Is(err, os.ErrNotExist) || errors.Is(err, unix.ENODEV) || errors.Is(err, unix.ENXIO) {
 		return "", nil
 	}
 	return v, err
