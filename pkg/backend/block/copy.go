@@ -209,6 +209,9 @@ func writerOf(vol *backend.Volume, image string) (string, error) {
 	for _, d := range devs {
 		ro, err := loop.ReadOnly(d)
 		if err != nil {
+			if still, nerr := loop.NamedBy(d, image); nerr == nil && !still {
+				continue // detached meanwhile
+			}
 			return "", err
 		}
 		if !ro {
