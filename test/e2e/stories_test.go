@@ -357,8 +357,10 @@ func TestROXFromSnapshot(t *testing.T) {
 func TestExpansionGrowsMountedFilesystem(t *testing.T) {
 	c := setup(t)
 	c.create(&storagev1.StorageClass{
-		ObjectMeta:           metav1.ObjectMeta{Name: "modeguard-e2e-xfs"},
-		Provisioner:          driverName,
+		ObjectMeta:  metav1.ObjectMeta{Name: "modeguard-e2e-xfs"},
+		Provisioner: driverName,
+		// The older bare key: classes made before the shipped ones moved
+		// to csi.storage.k8s.io/fstype keep working.
 		Parameters:           map[string]string{"backend": "block", "fsType": "xfs"},
 		VolumeBindingMode:    ptr(storagev1.VolumeBindingWaitForFirstConsumer),
 		AllowVolumeExpansion: ptr(true),
