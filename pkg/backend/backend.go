@@ -8,6 +8,7 @@ package backend
 import (
 	"context"
 	"fmt"
+	"regexp"
 	"slices"
 	"strings"
 	"time"
@@ -199,14 +200,49 @@ func CheckFsType(fs string) error {
 // join the backend's own options, "ro" among them, to it and make them
 // vanish, or hide an option from the backend's own reading of the flags.
 // No mount option holds a control character; NUL cannot even reach mount(8).
+//
+// The one exception is an SELinux context, which the kubelet passes quoted
+// because its value holds commas (context="system_u:object_r:x_t:s0:c1,c2"):
+// exactly the forms context=, fscontext=, defcontext= and rootcontext= with
+// one balanced quoted value of label characters, which opens and closes
+// within the flag and so cannot swallow what follows.
 func CheckMountFlags(flags []string) error {
 	for _, f := range flags {
+		if selinuxContextFlag.MatchString(f) {
+			continue
+		}
 		if i := strings.IndexFunc(f, func(r rune) bool { return r == '"' || r < 0x20 || r == 0x7f }); i >= 0 {
-			return fmt.Errorf("mount flag %q holds %q; mount flags may hold neither double quotes nor control characters", f, f[i])
+			return fmt.Errorf("mount flag %q holds %q; mount flags may hold neither double quotes nor control characters "+
+				"(except an SELinux context=, fscontext=, defcontext= or rootcontext= with one quoted label)", f, f[i])
 		}
 	}
 	return nil
 }
+
+// SplitMountOptions splits one comma-separated mount flag into its options
+// as mount(8) does: a comma inside double quotes (an SELinux context's
+// categories) is part of its option.
+func SplitMountOptions(flag string) []string {
+	var opts []string
+	quoted, start := false, 0
+	for i := 0; i < len(flag); i++ {
+		switch flag[i] {
+		case '"':
+			quoted = !quoted
+		case ',':
+			if !quoted {
+				opts = append(opts, flag[start:i])
+				start = i + 1
+			}
+		}
+	}
+	return append(opts, flag[start:])
+}
+
+// selinuxContextFlag is an SELinux context mount option with its label
+// quoted: user:role:type:level, where the level may hold categories
+// separated by commas and ranges (s0-s0:c0.c1023).
+var selinuxContextFlag = regexp.MustCompile(`^(context|fscontext|defcontext|rootcontext)="[A-Za-z0-9_.:,-]+"$`)
 
 // Staged is what a node backend did for a volume, kept in the node's state
 // so that unstage, expand and stats undo or inspect exactly that.

@@ -17,6 +17,7 @@ import (
 // hold the volume (fs's top bit says none may).
 func FuzzMountOptions(f *testing.F) {
 	f.Add(uint8(0), false, uint8(1), "noatime", "", "")
+	f.Add(uint8(1), true, uint8(2), `context="system_u:object_r:container_file_t:s0:c1,c2"`, "rw", "")
 	f.Add(uint8(0), true, uint8(1), "rw", "", "")
 	f.Add(uint8(1), true, uint8(2), "noatime,rw", "discard", "")
 	f.Add(uint8(1), false, uint8(0), "", "", "")

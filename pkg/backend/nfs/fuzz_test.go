@@ -26,6 +26,7 @@ func FuzzMountOptions(f *testing.F) {
 	f.Add(uint8(0), "", "", "", uint16(2049), false, "10.99.0.1", "10.0.0.11")
 	f.Add(uint8(2), "vers=4.1", "noatime", "", uint16(2049), false, "10.99.0.1", "")
 	f.Add(uint8(1), "soft,timeo=100", "", "", uint16(20490), false, "fd00::1", "fd00::11")
+	f.Add(uint8(1), `context="system_u:object_r:container_file_t:s0:c1,c2"`, "", "", uint16(2049), true, "10.99.0.1", "10.0.0.11")
 	f.Add(uint8(1), "rw", "", "", uint16(2049), true, "10.99.0.1", "10.0.0.11")
 	f.Add(uint8(3), "ro,rw", ",,", "nfsvers=4.0,addr=10.0.0.2", uint16(1), true, "::ffff:10.99.0.1", "")
 	f.Add(uint8(1), "x-a=\"b,ro,c\"", "", "", uint16(2049), true, "10.99.0.1", "10.0.0.11")
@@ -49,7 +50,7 @@ func FuzzMountOptions(f *testing.F) {
 		}
 		var co []string
 		set := map[string]bool{}
-		for _, o := range strings.Split(strings.Join(flags, ","), ",") {
+		for _, o := range backend.SplitMountOptions(strings.Join(flags, ",")) {
 			if o != "" && o != "rw" {
 				co = append(co, o)
 				set[optionKey(o)] = true

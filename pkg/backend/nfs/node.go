@@ -112,7 +112,7 @@ func mountOptions(flags []string, port int, readOnly bool, server, client string
 	opts := []string{}
 	set := map[string]bool{}
 	for _, f := range flags {
-		for _, o := range strings.Split(f, ",") {
+		for _, o := range backend.SplitMountOptions(f) {
 			if o == "" || o == "rw" {
 				continue
 			}
