@@ -1133,7 +1133,7 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 	}
 	return &csi.ControllerExpandVolumeResponse{
 		CapacityBytes:         vol.CapacityBytes,
-		NodeExpansionRequired: ctrl.NodeExpansionRequired(),
+		NodeExpansionRequired: ctrl.NodeExpansionRequired(vol),
 	}, nil
 }
 
