@@ -126,8 +126,8 @@ type Controller interface {
 	// MinimumSize is the smallest volume the backend can make, in bytes.
 	MinimumSize() int64
 	// NodeExpansionRequired tells whether a node must act after
-	// ExpandVolume before the workload sees the new size.
-	NodeExpansionRequired() bool
+	// ExpandVolume before the workload sees the new size of v.
+	NodeExpansionRequired(v *Volume) bool
 	// Capacity is the number of bytes a new volume in zone could still get.
 	Capacity(ctx context.Context, zone string) (int64, error)
 	// Pools reports every pool's size, free space and committed bytes, in

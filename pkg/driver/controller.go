@@ -1213,14 +1213,6 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 		return nil, status.Errorf(codes.OutOfRange,
 			"volume %s already has %d bytes, more than the limit %d; volumes do not shrink", vol.ID, vol.CapacityBytes, r.GetLimitBytes())
 	}
-	if size > vol.CapacityBytes && vol.AccessType == accessmode.Mount && ctrl.NodeExpansionRequired() && accessmode.AllReadOnly(vol.Modes) {
-		// The filesystem grows only on a node that may write it, and no
-		// node may write this one: a larger image under the same
-		// filesystem would only look bigger.
-		return nil, status.Errorf(codes.FailedPrecondition,
-			"volume %s is a filesystem no node may ever write (%s), so no node can grow it; make a larger volume from a snapshot of it instead",
-			vol.ID, describeModes(vol.Modes))
-	}
 	if size > vol.CapacityBytes {
 		if vol, err = ctrl.ExpandVolume(ctx, id, size); err != nil {
 			return nil, err
@@ -1229,7 +1221,7 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 	}
 	return &csi.ControllerExpandVolumeResponse{
 		CapacityBytes:         vol.CapacityBytes,
-		NodeExpansionRequired: ctrl.NodeExpansionRequired(),
+		NodeExpansionRequired: ctrl.NodeExpansionRequired(vol),
 	}, nil
 }
 

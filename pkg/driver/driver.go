@@ -296,6 +296,9 @@ type readOnlyDevices interface {
 	FreeDevice(ctx context.Context) (string, error)
 	ReadOnlyDevice(ctx context.Context, staged *backend.Staged, device string) error
 	ReleaseDevice(ctx context.Context, id volumeid.ID, device string) error
+	// RefreshDevice makes such a device see the volume's new size; false
+	// means the device is no longer the volume's and was left alone.
+	RefreshDevice(ctx context.Context, id volumeid.ID, device string) (bool, error)
 }
 
 // mountAt returns what the mount table shows at p, nil for nothing.

@@ -819,6 +819,31 @@ func (s *nodeServer) stagedAt(raw, path string) (volumeid.ID, backend.Node, *nod
 	return id, nb, rec, nil
 }
 
+// refreshHolderDevices gives the read-only devices of the read-only
+// publishes of a raw block stage (readOnlyDevice) the volume's new size:
+// they are readers of the same image as the staged device, and see only
+// what their own device shows.
+func (s *nodeServer) refreshHolderDevices(ctx context.Context, id volumeid.ID, nb backend.Node, rec *nodestate.Record) error {
+	rd, ok := nb.(readOnlyDevices)
+	if !ok {
+		return nil
+	}
+	for _, h := range rec.Holders {
+		if h.Device == "" {
+			continue
+		}
+		refreshed, err := rd.RefreshDevice(ctx, id, h.Device)
+		if err != nil {
+			return withContext(err, "refreshing the read-only device of the publish at %s", h.TargetPath)
+		}
+		if !refreshed {
+			klog.InfoS("Left alone a publish's device that is no longer the volume's", "volumeID", id,
+				"targetPath", h.TargetPath, "device", h.Device)
+		}
+	}
+	return nil
+}
+
 func deviceSize(dev string) (int64, error) {
 	f, err := os.Open(dev)
 	if err != nil {
@@ -921,13 +946,15 @@ func (s *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	if err != nil {
 		return nil, err
 	}
-	// A read-only stage still refreshes its device, so a reader of a
-	// MULTI_NODE_SINGLE_WRITER raw volume sees the new size. A read-only
-	// filesystem is the writer's to grow (its node's NodeExpandVolume does
-	// it): here the device is refreshed and the answer is OK, because the
-	// kubelet would retry a refusal for this reader's pod for ever.
+	// A read-only stage is the backend's to judge: a raw block reader needs
+	// its device refreshed like the writer, and only the backend knows
+	// whether a read-only filesystem sees the new size (NFS: at once) or
+	// cannot (block: FAILED_PRECONDITION, saying when it grows).
 	size, err := nb.Expand(ctx, rec.Staged)
 	if err != nil {
+		return nil, err
+	}
+	if err := s.refreshHolderDevices(ctx, id, nb, rec); err != nil {
 		return nil, err
 	}
 	if r := req.GetCapacityRange().GetRequiredBytes(); size > 0 && r > 0 && size < r {

@@ -385,3 +385,117 @@ func writeProbe(dir, name, content string) error {
 }
 
 func isEROFS(err error) bool { return errors.Is(err, syscall.EROFS) }
+
+// otherNode is a second node plugin on the env's pool: another node of the
+// same zone (and kernel), with its own state directory and socket, as a
+// node-only process of a cluster would be. The env's controller attaches
+// volumes to it by its id.
+type otherNode struct {
+	e    *env
+	name string
+	id   string
+	node csi.NodeClient
+}
+
+// addNode starts a node-only driver named name; it stops at cleanup, after
+// the stages and publishes made on it are undone.
+func (e *env) addNode(t *testing.T, name string) *otherNode {
+	t.Helper()
+	nb, err := block.NewNode(map[string]string{testZone: e.pool})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stateDir := filepath.Join(e.root, "state-"+name)
+	if err := os.MkdirAll(stateDir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	d, err := driver.New(driver.Config{
+		Version:    "test",
+		Roles:      []driver.Role{driver.RoleNode},
+		NodeName:   name,
+		Zone:       testZone,
+		StateDir:   stateDir,
+		Nodes:      map[accessmode.Backend]backend.Node{accessmode.BackendBlock: nb},
+		Metrics:    e.metrics,
+		MountTable: e.mountTable,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Reconcile(context.Background()); err != nil {
+		t.Fatalf("Reconcile at start of %s: %v", name, err)
+	}
+	lis, err := net.Listen("unix", filepath.Join(e.root, "csi-"+name+".sock"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := d.NewGRPCServer()
+	go srv.Serve(lis)
+	conn, err := grpc.NewClient("unix://"+lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		srv.Stop()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		conn.Close()
+		srv.Stop()
+	})
+	return &otherNode{e: e, name: name, id: d.NodeID(), node: csi.NewNodeClient(conn)}
+}
+
+// controllerPublishTo attaches the volume to nodeID (unpublished at cleanup).
+func (e *env) controllerPublishTo(t *testing.T, volID, nodeID string, c *csi.VolumeCapability, readOnly bool) map[string]string {
+	t.Helper()
+	resp, err := e.ctrl.ControllerPublishVolume(ctx(t), &csi.ControllerPublishVolumeRequest{
+		VolumeId: volID, NodeId: nodeID, VolumeCapability: c, Readonly: readOnly,
+	})
+	if err != nil {
+		t.Fatalf("ControllerPublishVolume %s to %s: %v", volID, nodeID, err)
+	}
+	e.cleanupControllerUnpublish(t, volID, nodeID)
+	return resp.GetPublishContext()
+}
+
+func (n *otherNode) stagingPath(name string) string {
+	return filepath.Join(n.e.root, "staging", n.name+"-"+name)
+}
+
+func (n *otherNode) targetPath(name string) string {
+	return filepath.Join(n.e.root, "targets", n.name+"-"+name)
+}
+
+// stage stages the volume on this node (unstaged at cleanup) and returns
+// its staging path.
+func (n *otherNode) stage(t *testing.T, volID, name string, c *csi.VolumeCapability, pc map[string]string) string {
+	t.Helper()
+	staging := n.stagingPath(name)
+	if _, err := n.node.NodeStageVolume(ctx(t), &csi.NodeStageVolumeRequest{
+		VolumeId: volID, StagingTargetPath: staging, VolumeCapability: c, PublishContext: pc,
+	}); err != nil {
+		t.Fatalf("NodeStageVolume %s on %s: %v", volID, n.name, err)
+	}
+	t.Cleanup(func() {
+		if _, err := n.node.NodeUnstageVolume(ctx(t), &csi.NodeUnstageVolumeRequest{VolumeId: volID, StagingTargetPath: staging}); err != nil {
+			t.Errorf("cleanup: NodeUnstageVolume %s on %s: %v", volID, n.name, err)
+		}
+	})
+	return staging
+}
+
+// publish calls NodePublishVolume on this node; a success is unpublished
+// at cleanup.
+func (n *otherNode) publish(t *testing.T, volID, staging, target string, c *csi.VolumeCapability, pc map[string]string, readOnly bool) error {
+	t.Helper()
+	_, err := n.node.NodePublishVolume(ctx(t), &csi.NodePublishVolumeRequest{
+		VolumeId: volID, StagingTargetPath: staging, TargetPath: target,
+		VolumeCapability: c, PublishContext: pc, Readonly: readOnly,
+	})
+	if err == nil {
+		t.Cleanup(func() {
+			if _, err := n.node.NodeUnpublishVolume(ctx(t), &csi.NodeUnpublishVolumeRequest{VolumeId: volID, TargetPath: target}); err != nil {
+				t.Errorf("cleanup: NodeUnpublishVolume %s at %s on %s: %v", volID, target, n.name, err)
+			}
+		})
+	}
+	return err
+}

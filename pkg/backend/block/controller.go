@@ -194,9 +194,14 @@ func (c *Controller) Backend() accessmode.Backend { return accessmode.BackendBlo
 // only floor, and raw block volumes have none.
 func (c *Controller) MinimumSize() int64 { return 0 }
 
-// NodeExpansionRequired: the node must refresh its loop device and grow the
-// filesystem before a workload sees a bigger volume.
-func (c *Controller) NodeExpansionRequired() bool { return true }
+// NodeExpansionRequired: a node must refresh its loop device (and grow the
+// filesystem) before a workload sees a bigger volume. Raw block readers
+// need the refresh as much as the writer. A filesystem no node may ever
+// write is the exception: no node can grow it, so there is nothing to ask
+// of one (and ExpandVolume refuses to grow its image).
+func (c *Controller) NodeExpansionRequired(v *backend.Volume) bool {
+	return v.AccessType == accessmode.Block || !accessmode.AllReadOnly(v.Modes)
+}
 
 func (c *Controller) Zones() []string { return slices.Clone(c.zones) }
 
@@ -625,6 +630,18 @@ func (c *Controller) ExpandVolume(ctx context.Context, id volumeid.ID, bytes int
 	return c.updateVolume(ctx, id, func(v *backend.Volume) (bool, error) {
 		if bytes <= v.CapacityBytes {
 			return false, nil
+		}
+		if v.AccessType == accessmode.Mount && accessmode.AllReadOnly(v.Modes) {
+			// Every stage of such a volume is read-only, so no node ever
+			// grows its filesystem: a bigger image would report a capacity
+			// the filesystem never reaches and hold pool space nobody can
+			// use. OUT_OF_RANGE is the spec's "capacity range not allowed";
+			// the Kubernetes resizer takes it as infeasible, so the claim
+			// can be set back to its size, where FAILED_PRECONDITION would
+			// have it wait for the volume to be unused and try again in vain.
+			return false, status.Errorf(codes.OutOfRange,
+				"volume %s is a filesystem no node may write (%s): no node can ever grow it, so it stays at %d bytes; a clone of it into a larger writable volume grows at its first read/write stage",
+				id, modeNames(v.Modes), v.CapacityBytes)
 		}
 		release, err := c.reserve(p, bytes-v.CapacityBytes, "growing volume "+v.Name)
 		if err != nil {

@@ -323,6 +323,14 @@ func mountOptions(fsType string, readOnly, writable bool, mountFlags []string) [
 	return opts
 }
 
+func modeNames(modes []accessmode.Mode) string {
+	names := make([]string, 0, len(modes))
+	for _, m := range modes {
+		names = append(names, accessmode.Name(m))
+	}
+	return strings.Join(names, ", ")
+}
+
 // attachmentOf finds this node's attachment by its key: the controller
 // records the id the node had when it was attached, and the node may have
 // restarted under a new address since.
@@ -398,13 +406,17 @@ func (n *Node) Unstage(ctx context.Context, staged *backend.Staged) error {
 }
 
 // Expand makes the loop device pick up the image's new size and, for a
-// writable mount, grows the filesystem into it.
+// read/write mount, grows the filesystem into it. A raw block stage needs
+// nothing more, read-only or not: its workloads read the device itself, so
+// the readers of a volume another node writes see the new size at once. A
+// read-only mount gets its device refreshed, and an answer saying why its
+// filesystem did not grow (readOnlyFilesystem).
 func (n *Node) Expand(ctx context.Context, staged *backend.Staged) (int64, error) {
 	id, err := volumeid.ParseKind(staged.VolumeID, volumeid.Volume)
 	if err != nil {
 		return 0, status.Errorf(codes.InvalidArgument, "staged volume id: %v", err)
 	}
-	_, image, err := n.locate(id)
+	p, image, err := n.locate(id)
 	if err != nil {
 		return 0, err
 	}
@@ -417,25 +429,58 @@ func (n *Node) Expand(ctx context.Context, staged *backend.Staged) (int64, error
 	if !ours {
 		return 0, status.Errorf(codes.FailedPrecondition, "volume %s is not attached at %s any more; stage it again", staged.VolumeID, staged.Device)
 	}
+	// The kernel lets a read-only loop device take a new capacity: the
+	// flag forbids writes to the device, not a change of its size.
 	if err := loop.Refresh(ctx, staged.Device); err != nil {
 		return 0, status.Errorf(codes.Internal, "refreshing size of %s: %v", staged.Device, err)
 	}
 	fpExpandRefreshed.Hit()
-	if staged.AccessType == accessmode.Mount && !staged.ReadOnly {
-		if _, err := n.resizer.Resize(staged.Device, staged.StagingPath); err != nil {
-			if strings.Contains(err.Error(), "Permission denied to resize filesystem") {
-				return 0, status.Errorf(codes.FailedPrecondition,
-					"growing the mounted ext4 filesystem of volume %s needs CAP_SYS_RESOURCE, which the node plugin lacks; "+
-						"the device has grown, and the filesystem grows when the volume is next staged: %v", staged.VolumeID, err)
-			}
-			return 0, status.Errorf(codes.Internal, "growing filesystem of volume %s: %v", staged.VolumeID, err)
-		}
-	}
 	size, err := loop.Size(staged.Device)
 	if err != nil {
 		return 0, status.Errorf(codes.Internal, "reading size of %s: %v", staged.Device, err)
 	}
+	if staged.AccessType != accessmode.Mount {
+		return size, nil
+	}
+	if staged.ReadOnly {
+		return 0, n.readOnlyFilesystem(p, id, size)
+	}
+	if _, err := n.resizer.Resize(staged.Device, staged.StagingPath); err != nil {
+		if strings.Contains(err.Error(), "Permission denied to resize filesystem") {
+			return 0, status.Errorf(codes.FailedPrecondition,
+				"growing the mounted ext4 filesystem of volume %s needs CAP_SYS_RESOURCE, which the node plugin lacks; "+
+					"the device has grown, and the filesystem grows when the volume is next staged: %v", staged.VolumeID, err)
+		}
+		return 0, status.Errorf(codes.Internal, "growing filesystem of volume %s: %v", staged.VolumeID, err)
+	}
 	return size, nil
+}
+
+// readOnlyFilesystem is the answer to expanding a read-only mount. Its
+// filesystem cannot grow here: the device refuses writes, and a mounted
+// filesystem keeps the size it was mounted with whatever its device does.
+// Nor does another node grow it meanwhile: this backend gives a filesystem
+// that some node may write to one node at a time (accessmode.Serves,
+// accessmode.CheckAttach), so while this node holds it read-only nobody
+// writes it. It grows when it is
+// next staged read/write (mountStaged), and never if no node may write it
+// (ExpandVolume refuses to grow such a volume in the first place).
+//
+// The answer is FAILED_PRECONDITION, not OK. OK would tell the CO that the
+// volume has its new size on this node while the workload here still sees
+// the old one (the kubelet would record the claim as resized).
+// FAILED_PRECONDITION is the spec's NodeExpandVolume answer for a staged
+// volume whose filesystem cannot grow while staged, which the caller must
+// not retry: the kubelet records it, stops asking on this node and goes on
+// mounting, so a workload that only reads the volume is never held up.
+func (n *Node) readOnlyFilesystem(p *pool, id volumeid.ID, size int64) error {
+	if vol, err := n.readVolume(p, id); err == nil && accessmode.AllReadOnly(vol.Modes) {
+		return status.Errorf(codes.FailedPrecondition,
+			"volume %s is a filesystem no node may write (%s): its filesystem cannot grow on any node", id, modeNames(vol.Modes))
+	}
+	return status.Errorf(codes.FailedPrecondition,
+		"volume %s is staged read-only on this node: its device now has %d bytes, but a read-only filesystem cannot grow; "+
+			"it grows when the volume is next staged read/write", id, size)
 }
 
 // Health checks that the image, the loop device bound to it and (for
@@ -631,4 +676,27 @@ func (n *Node) ReleaseDevice(ctx context.Context, id volumeid.ID, device string)
 		return status.Errorf(codes.Internal, "detaching %s: %v", device, err)
 	}
 	return nil
+}
+
+// RefreshDevice makes a device ReadOnlyDevice made pick up the image's new
+// size, as Expand does for the staged device. A device no longer bound to
+// the volume's image (a publish interrupted before binding it, or a device
+// since reused) is left alone and reported as not refreshed.
+func (n *Node) RefreshDevice(ctx context.Context, id volumeid.ID, device string) (bool, error) {
+	_, image, err := n.locate(id)
+	if err != nil {
+		return false, err
+	}
+	if !loop.ValidDevice(device) {
+		return false, status.Errorf(codes.Internal, "%q is not a loop device; refusing to touch it", device)
+	}
+	if ours, err := loop.BoundTo(device, image); err != nil {
+		return false, status.Errorf(codes.Internal, "inspecting %s: %v", device, err)
+	} else if !ours {
+		return false, nil
+	}
+	if err := loop.Refresh(ctx, device); err != nil {
+		return false, status.Errorf(codes.Internal, "refreshing size of %s: %v", device, err)
+	}
+	return true, nil
 }

@@ -626,3 +626,139 @@ func TestExpandRefusesADeviceOfAReplacedImage(t *testing.T) {
 	f.unstage(t, staged)
 	assertNothingStagedUnder(t, f.root)
 }
+
+// sysfsBytes is the size of a block device as /sys/block/<dev>/size tells
+// it (512-byte sectors), a second view next to loop.Size's ioctl.
+func sysfsBytes(t *testing.T, dev string) int64 {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join("/sys/block", filepath.Base(dev), "size"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sectors, err := strconv.ParseInt(strings.TrimSpace(string(raw)), 10, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sectors * 512
+}
+
+// TestExpandOfAReadOnlyFilesystemStage: a volume some node may write, staged
+// read-only, gets its device refreshed, but its filesystem cannot grow
+// there; the answer is FAILED_PRECONDITION saying it grows at the next
+// read/write stage, not OK, and that stage does grow it.
+func TestExpandOfAReadOnlyFilesystemStage(t *testing.T) {
+	for _, fsType := range []string{fsExt4, fsXFS} {
+		t.Run(fsType, func(t *testing.T) {
+			f := newFixture(t, "zone-a")
+			ctx := context.Background()
+			initial := fsSize(fsType)
+			spec := mountSpec(t, "zone-a", "ro-grow", fsType, initial)
+			f.create(t, spec)
+			f.attach(t, spec.ID, writer("n1"))
+			f.unstage(t, f.stage(t, f.mountReq(spec.ID, "n1", "format", false)))
+
+			f.attach(t, spec.ID, accessmode.Attachment{NodeID: "n1", Mode: accessmode.SingleNodeWriter, ReadOnly: true})
+			ro := f.stage(t, f.mountReq(spec.ID, "n1", "ro", true))
+			before := statfsBytes(t, ro.StagingPath)
+			vol, err := f.ctrl.ExpandVolume(ctx, spec.ID, 2*initial)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !f.ctrl.NodeExpansionRequired(vol) {
+				t.Fatal("a writable filesystem volume grew without asking its nodes to expand it")
+			}
+
+			size, err := f.node.Expand(ctx, ro)
+			wantCode(t, err, codes.FailedPrecondition)
+			if size != 0 || !strings.Contains(err.Error(), "next staged read/write") {
+				t.Fatalf("Expand of a read-only stage = %d, %q; want no size and a message saying when the filesystem grows", size, err)
+			}
+			if got, _ := loop.Size(ro.Device); got != 2*initial {
+				t.Fatalf("read-only device is %d bytes after Expand, want %d", got, 2*initial)
+			}
+			if got := sysfsBytes(t, ro.Device); got != 2*initial {
+				t.Fatalf("sysfs gives the read-only device %d bytes, want %d", got, 2*initial)
+			}
+			if ro, err := loop.ReadOnly(ro.Device); err != nil || !ro {
+				t.Fatalf("the refreshed device is no longer read-only (%t, %v)", ro, err)
+			}
+			if after := statfsBytes(t, ro.StagingPath); after != before {
+				t.Fatalf("the read-only filesystem changed size from %d to %d", before, after)
+			}
+			f.unstage(t, ro)
+
+			f.attach(t, spec.ID, writer("n1"))
+			rw := f.stage(t, f.mountReq(spec.ID, "n1", "rw", false))
+			if after := statfsBytes(t, rw.StagingPath); after < before+initial*9/10 {
+				t.Fatalf("the next read/write stage has %d bytes, was %d; want about %d more", after, before, initial)
+			}
+			f.unstage(t, rw)
+			assertNothingStagedUnder(t, f.root)
+		})
+	}
+}
+
+// TestVolumeNoNodeMayWriteGrowsOnlyAsRawBlock: a filesystem volume whose
+// every mode is read-only cannot grow on any node, so its image is not
+// grown (OUT_OF_RANGE) and no node is asked to expand it; a raw block one
+// grows, and its readers' devices take the new size.
+func TestVolumeNoNodeMayWriteGrowsOnlyAsRawBlock(t *testing.T) {
+	f := newFixture(t, "zone-a")
+	ctx := context.Background()
+	rox := []accessmode.Mode{accessmode.MultiNodeReaderOnly}
+
+	fs := mountSpec(t, "zone-a", "rox-fs", fsExt4, 64*mib)
+	fs.Modes = rox
+	f.create(t, fs)
+	_, err := f.ctrl.ExpandVolume(ctx, fs.ID, 128*mib)
+	wantCode(t, err, codes.OutOfRange)
+	if !strings.Contains(err.Error(), "no node may write") {
+		t.Fatalf("refusal %q does not say why", err)
+	}
+	vol, err := f.ctrl.Volume(ctx, fs.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Stat(imageOf(t, f, fs.ID)); err != nil || vol.CapacityBytes != 64*mib || fi.Size() != 64*mib {
+		t.Fatalf("after the refusal: capacity %d, image %v (%v); want both %d", vol.CapacityBytes, fi.Size(), err, 64*mib)
+	}
+	if vol, err = f.ctrl.ExpandVolume(ctx, fs.ID, 64*mib); err != nil {
+		t.Fatalf("an expansion to the size it has: %v, want OK", err)
+	}
+	if f.ctrl.NodeExpansionRequired(vol) {
+		t.Fatal("nodes are asked to expand a filesystem no node can grow")
+	}
+	f.attach(t, fs.ID, reader("r1"))
+	staged := f.stage(t, f.mountReq(fs.ID, "r1", "rox-fs", true))
+	_, err = f.node.Expand(ctx, staged)
+	wantCode(t, err, codes.FailedPrecondition)
+	if !strings.Contains(err.Error(), "cannot grow on any node") {
+		t.Fatalf("Expand of a volume no node may write: %q does not say it never grows", err)
+	}
+	f.unstage(t, staged)
+
+	raw := mountSpec(t, "zone-a", "rox-raw", "", 16*mib)
+	raw.AccessType, raw.Modes = accessmode.Block, rox
+	f.create(t, raw)
+	f.attach(t, raw.ID, reader("r1"), reader("r2"))
+	var readers []*backend.Staged
+	for _, n := range []string{"r1", "r2"} {
+		readers = append(readers, f.stage(t, backend.StageRequest{VolumeID: raw.ID, NodeID: n, ReadOnly: true,
+			StagingPath: filepath.Join(f.root, "staging", "rox-raw-"+n), AccessType: accessmode.Block}))
+	}
+	if vol, err = f.ctrl.ExpandVolume(ctx, raw.ID, 32*mib); err != nil || vol.CapacityBytes != 32*mib {
+		t.Fatalf("ExpandVolume of a raw block volume no node may write: %+v, %v; want it grown to %d", vol, err, 32*mib)
+	}
+	if !f.ctrl.NodeExpansionRequired(vol) {
+		t.Fatal("the readers of a grown raw block volume are not asked to refresh their devices")
+	}
+	for _, s := range readers {
+		if size, err := f.node.Expand(ctx, s); err != nil || size != 32*mib || sysfsBytes(t, s.Device) != 32*mib {
+			t.Fatalf("Expand of reader %s: %d, %v, device %d bytes; want %d", s.Device, size, err, sysfsBytes(t, s.Device), 32*mib)
+		}
+	}
+	for _, s := range readers {
+		f.unstage(t, s)
+	}
+	assertNothingStagedUnder(t, f.root)
+}

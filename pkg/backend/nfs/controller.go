@@ -199,7 +199,7 @@ func (c *Controller) Backend() accessmode.Backend { return accessmode.BackendNFS
 func (c *Controller) Zones() []string { return nil }
 
 // NodeExpansionRequired is false: a raised quota is what clients see at once.
-func (c *Controller) NodeExpansionRequired() bool { return false }
+func (c *Controller) NodeExpansionRequired(*backend.Volume) bool { return false }
 
 func (c *Controller) volumeRel(id volumeid.ID) string { return filepath.Join("volumes", id.FileName()) }
 func (c *Controller) snapshotRel(id volumeid.ID) string {
