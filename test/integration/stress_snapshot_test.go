@@ -4,12 +4,14 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
@@ -164,7 +166,26 @@ func readAcknowledged(image string, block bool, offset int64, n int, work string
 	if out, err := exec.Command("mount", "-o", "ro,loop", image, dir).CombinedOutput(); err != nil {
 		return "", fmt.Errorf("mounting the restore read-only: %v: %s", err, strings.TrimSpace(string(out)))
 	}
-	defer unix.Unmount(dir, 0)
 	data, err := os.ReadFile(filepath.Join(dir, "acknowledged"))
+	if uerr := unmountSettled(dir); uerr != nil && err == nil {
+		err = uerr
+	}
 	return string(data), err
+}
+
+// unmountSettled unmounts dir, waiting out a moment of EBUSY (something
+// else on the machine looking at the filesystem as it goes), then lazily
+// as a last resort so that nothing stays mounted; the error says so.
+func unmountSettled(dir string) error {
+	var err error
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if err = unix.Unmount(dir, 0); err == nil || !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
+			break
+		}
+	}
+	if err != nil {
+		_ = unix.Unmount(dir, unix.MNT_DETACH)
+		return fmt.Errorf("unmounting the restore at %s: %w", dir, err)
+	}
+	return nil
 }
