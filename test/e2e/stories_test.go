@@ -377,7 +377,9 @@ func TestExpansionGrowsMountedFilesystem(t *testing.T) {
 	if _, err := c.cs.CoreV1().PersistentVolumeClaims(c.ns).Patch(c.ctx, "grow-claim", types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
 		c.fatalf("%v", err)
 	}
-	c.waitFor("claim capacity 640Mi", startTimeout, func() (bool, error) {
+	// The kubelet grows a mounted volume at its next sync of the pod, which
+	// comes every minute or so (with jitter) after the resizer is done.
+	c.waitFor("claim capacity 640Mi", 3*startTimeout, func() (bool, error) {
 		p, err := c.cs.CoreV1().PersistentVolumeClaims(c.ns).Get(c.ctx, "grow-claim", metav1.GetOptions{})
 		if err != nil {
 			return false, err
