@@ -130,6 +130,15 @@ func WithinAny(m Mode, modes []Mode) bool {
 // Name is the spec's name of a mode, for messages.
 func Name(m Mode) string { return m.String() }
 
+// Names lists modes for messages: "SINGLE_NODE_WRITER, MULTI_NODE_READER_ONLY".
+func Names(modes []Mode) string {
+	names := make([]string, len(modes))
+	for i, m := range modes {
+		names[i] = Name(m)
+	}
+	return strings.Join(names, ", ")
+}
+
 // Parse accepts a spec name (SINGLE_NODE_WRITER), its number, or the
 // lower-case dashed form Nomad uses (single-node-writer).
 func Parse(s string) (Mode, error) {

@@ -72,7 +72,7 @@ func parseCapability(c *csi.VolumeCapability) (accessmode.AccessType, string, ac
 	mode := c.GetAccessMode().GetMode()
 	if c.GetAccessMode() == nil || !accessmode.Valid(mode) {
 		return "", "", 0, status.Errorf(codes.InvalidArgument,
-			"volume capability needs an access mode; accepted: %s", describeModes(accessmode.All))
+			"volume capability needs an access mode; accepted: %s", accessmode.Names(accessmode.All))
 	}
 	switch at := c.GetAccessType().(type) {
 	case *csi.VolumeCapability_Mount:
@@ -567,7 +567,7 @@ func createInZones(ctx context.Context, ctrl backend.Controller, zones []string,
 			return nil, err
 		}
 		klog.InfoS("Volume created", "volumeID", vol.ID, "name", vol.Name, "zone", zone, "bytes", size,
-			"accessType", vol.AccessType, "modes", describeModes(vol.Modes))
+			"accessType", vol.AccessType, "modes", accessmode.Names(vol.Modes))
 		return &csi.CreateVolumeResponse{Volume: csiVolume(vol)}, nil
 	}
 	return nil, status.Errorf(codes.ResourceExhausted,
@@ -669,7 +669,7 @@ func compatible(vol *backend.Volume, req *csi.CreateVolumeRequest, caps capabili
 	}
 	for _, m := range caps.modes {
 		if !slices.Contains(vol.Modes, m) {
-			diffs = append(diffs, fmt.Sprintf("access modes are %s", describeModes(vol.Modes)))
+			diffs = append(diffs, fmt.Sprintf("access modes are %s", accessmode.Names(vol.Modes)))
 			break
 		}
 	}
@@ -863,7 +863,7 @@ func checkMode(vol *backend.Volume, mode accessmode.Mode) error {
 	if !accessmode.WithinAny(mode, vol.Modes) {
 		return status.Errorf(codes.FailedPrecondition,
 			"volume %s was created for access modes %s; %s would allow more than that",
-			vol.ID, describeModes(vol.Modes), accessmode.Name(mode))
+			vol.ID, accessmode.Names(vol.Modes), accessmode.Name(mode))
 	}
 	return nil
 }

@@ -1,7 +1,6 @@
 package driver
 
 import (
-	"fmt"
 	"slices"
 	"sort"
 	"strconv"
@@ -104,13 +103,4 @@ func setFsType(p *Params, key, fs string) error {
 	}
 	p.FsType = fs
 	return nil
-}
-
-// describeModes lists modes for messages.
-func describeModes[T fmt.Stringer](modes []T) string {
-	names := make([]string, len(modes))
-	for i, m := range modes {
-		names[i] = m.String()
-	}
-	return strings.Join(names, ", ")
 }

@@ -832,19 +832,10 @@ func TestReadOnlyRawBlockPublishCannotWrite(t *testing.T) {
 	if err := e.publish(t, volID, staging, ro, c, pc, true); err != nil {
 		t.Fatal(err)
 	}
-	write := func(p string) error {
-		f, err := os.OpenFile(p, os.O_WRONLY, 0)
-		if err != nil {
-			return err
-		}
-		defer f.Close()
-		_, err = f.Write(make([]byte, 4096))
-		return err
-	}
-	if err := write(rw); err != nil {
+	if err := writeDevice(rw); err != nil {
 		t.Fatalf("the read/write publish cannot write: %v", err)
 	}
-	if err := write(ro); err == nil {
+	if err := writeDevice(ro); err == nil {
 		t.Fatalf("a write through the read-only publish at %s succeeded", ro)
 	}
 	// This test's own loop devices: other tests of the machine attach and

@@ -641,7 +641,7 @@ func (c *Controller) ExpandVolume(ctx context.Context, id volumeid.ID, bytes int
 			// have it wait for the volume to be unused and try again in vain.
 			return false, status.Errorf(codes.OutOfRange,
 				"volume %s is a filesystem no node may write (%s): no node can ever grow it, so it stays at %d bytes; a clone of it into a larger writable volume grows at its first read/write stage",
-				id, modeNames(v.Modes), v.CapacityBytes)
+				id, accessmode.Names(v.Modes), v.CapacityBytes)
 		}
 		release, err := c.reserve(p, bytes-v.CapacityBytes, "growing volume "+v.Name)
 		if err != nil {

@@ -323,14 +323,6 @@ func mountOptions(fsType string, readOnly, writable bool, mountFlags []string) [
 	return opts
 }
 
-func modeNames(modes []accessmode.Mode) string {
-	names := make([]string, 0, len(modes))
-	for _, m := range modes {
-		names = append(names, accessmode.Name(m))
-	}
-	return strings.Join(names, ", ")
-}
-
 // attachmentOf finds this node's attachment by its key: the controller
 // records the id the node had when it was attached, and the node may have
 // restarted under a new address since.
@@ -476,7 +468,7 @@ func (n *Node) Expand(ctx context.Context, staged *backend.Staged) (int64, error
 func (n *Node) readOnlyFilesystem(p *pool, id volumeid.ID, size int64) error {
 	if vol, err := n.readVolume(p, id); err == nil && accessmode.AllReadOnly(vol.Modes) {
 		return status.Errorf(codes.FailedPrecondition,
-			"volume %s is a filesystem no node may write (%s): its filesystem cannot grow on any node", id, modeNames(vol.Modes))
+			"volume %s is a filesystem no node may write (%s): its filesystem cannot grow on any node", id, accessmode.Names(vol.Modes))
 	}
 	return status.Errorf(codes.FailedPrecondition,
 		"volume %s is staged read-only on this node: its device now has %d bytes, but a read-only filesystem cannot grow; "+

@@ -231,34 +231,43 @@ func BoundTo(dev, image string) (bool, error) {
 }
 
 // DevicesOf lists the loop devices bound to the very file image is now.
-// Only the devices whose backing path names it are opened to compare the
-// inode (BoundTo): opening another volume's device, even for a moment,
-// would hold up its detach (the kernel defers it while the device is
-// open), and the unstage of that volume would find its device still
-// bound.
 func DevicesOf(image string) ([]string, error) {
+	current, _, err := Bound(image)
+	return current, err
+}
+
+// Bound lists the loop devices bound to a file of image's name: current
+// to the very file there now (same inode, BoundTo), stale to an earlier
+// file of that name since deleted or replaced, a leftover to detach and
+// never to mount as the image. Only the devices whose backing path names
+// the image are opened to compare the inode: opening another volume's
+// device, even for a moment, would hold up its detach (the kernel defers
+// it while the device is open), and the unstage of that volume would find
+// its device still bound.
+func Bound(image string) (current, stale []string, err error) {
 	all, err := List()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	var out []string
 	for _, a := range all {
 		named, err := NamedBy(a.Device, image)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		if !named {
 			continue
 		}
-		bound, err := BoundTo(a.Device, image)
+		same, err := BoundTo(a.Device, image)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
-		if bound {
-			out = append(out, a.Device)
+		if same {
+			current = append(current, a.Device)
+		} else {
+			stale = append(stale, a.Device)
 		}
 	}
-	return out, nil
+	return current, stale, nil
 }
 
 func canonical(path string) (string, error) {

@@ -21,27 +21,8 @@ import (
 // replaced; they are leftovers to detach, and must never be mounted as if
 // they held the current image.
 func bound(image string) (current, stale []string, err error) {
-	all, err := loop.List()
-	if err != nil {
-		return nil, nil, fmt.Errorf("imagestore: listing loop devices: %w", err)
-	}
-	for _, a := range all {
-		named, err := loop.NamedBy(a.Device, image)
-		if err != nil {
-			return nil, nil, fmt.Errorf("imagestore: %w", err)
-		}
-		if !named {
-			continue
-		}
-		same, err := loop.BoundTo(a.Device, image)
-		if err != nil {
-			return nil, nil, fmt.Errorf("imagestore: %w", err)
-		}
-		if same {
-			current = append(current, a.Device)
-		} else {
-			stale = append(stale, a.Device)
-		}
+	if current, stale, err = loop.Bound(image); err != nil {
+		return nil, nil, fmt.Errorf("imagestore: %w", err)
 	}
 	return current, stale, nil
 }
