@@ -114,7 +114,7 @@ func parseFlags(args []string) (*options, error) {
 		"where to serve CSI: unix:///path/to/socket or tcp://host:port")
 	fs.StringVar(&o.roles, "roles", "controller,node",
 		"services to serve besides Identity: controller, node, or controller,node")
-	fs.StringVar(&o.nodeID, "node-id", "", "this node's name (node role; a Kubernetes node name, up to 253 characters), reported as "+driver.TopologyNodeKey+" (a stable 63-character form of a longer name); the CSI node id is <name>@<zone>[@<node-address>[@<max-volumes-per-node>]]")
+	fs.StringVar(&o.nodeID, "node-id", "", "this node's name (node role): a Kubernetes node name, up to 253 characters, kept in the CSI node id (a stable 63-character form of a longer name); the CSI node id is <name>@<zone>[@<node-address>[@<max-volumes-per-node>]]")
 	fs.StringVar(&o.zone, "zone", "", "this node's topology zone (node role), reported as "+driver.TopologyZoneKey)
 	fs.StringVar(&o.nodeAddress, "node-address", "", "IP address this node mounts NFS exports from (node role, optional)")
 	fs.StringVar(&o.stateDir, "state-dir", "/var/lib/modeguard", "directory for this node plugin's lock files and stage records")

@@ -46,19 +46,22 @@ done
 wait
 
 log "making the pool and state directories"
-# The pools live on an xfs with reflinks (in a sparse image, POOL_SIZE), as a production pool
-# should: a snapshot or clone of a volume in use is then an atomic clone. On a filesystem
-# without reflinks (this host's ext4) the driver refuses to copy a volume attached for writing.
+# Each zone's pool is its own xfs with reflinks (a sparse image, POOL_SIZE each), as a
+# production pool should be: a snapshot or clone of a volume in use is then an atomic clone
+# (on a filesystem without reflinks, this host's ext4, the driver refuses to copy a volume
+# attached for writing), and a zone that fills up is full alone, so the capacity the driver
+# publishes differs by zone as it would across real zones.
 mkdir -p "$BUILD"/modeguard-local/{pools,node,nfs,ganesha}
-pools="$BUILD/modeguard-local/pools" pools_img="$BUILD/modeguard-local/pools.img"
-if ! mountpoint -q "$pools"; then
-  if [[ ! -s "$pools_img" ]]; then
-    truncate -s "${POOL_SIZE:-16G}" "$pools_img"
-    mkfs.xfs -q -m reflink=1 "$pools_img" || die "mkfs.xfs -m reflink=1 $pools_img"
+for zone in zone-a zone-b; do
+  pool="$BUILD/modeguard-local/pools/$zone" img="$BUILD/modeguard-local/pool-$zone.img"
+  mkdir -p "$pool"
+  mountpoint -q "$pool" && continue
+  if [[ ! -s "$img" ]]; then
+    truncate -s "${POOL_SIZE:-16G}" "$img"
+    mkfs.xfs -q -m reflink=1 "$img" || die "mkfs.xfs -m reflink=1 $img"
   fi
-  mount -t xfs -o loop "$pools_img" "$pools" || die "mounting the pools' xfs $pools_img"
-fi
-mkdir -p "$pools"/{zone-a,zone-b}
+  mount -t xfs -o loop "$img" "$pool" || die "mounting the pool of $zone ($img)"
+done
 
 log "applying deploy/kubernetes/overlays/local"
 # The overlay's host paths assume the repository at /work/main.

@@ -98,7 +98,7 @@ detach_loops_under_mg() {
   local f dev
   for f in /sys/block/loop*/loop/backing_file; do
     [[ -r "$f" ]] || continue
-    if [[ "$(cat "$f")" == "$MG/"* && "$(cat "$f")" != "$MG/pools.img" ]]; then
+    if [[ "$(cat "$f")" == "$MG/"* && "$(cat "$f")" != "$MG"/pool-*.img ]]; then
       dev=/dev/$(basename "$(dirname "$(dirname "$f")")")
       losetup -d "$dev" 2>/dev/null && log "detached $dev ($(cat "$f" 2>/dev/null))"
     fi
@@ -106,12 +106,15 @@ detach_loops_under_mg() {
   return 0
 }
 if [[ -d "$MG" ]]; then
-  mapfile -t mnts < <(awk -v p="$MG/" 'index($2, p) == 1 && $2 != p "pools" {print $2}' /proc/self/mounts | sort -r)
+  mapfile -t mnts < <(awk -v p="$MG/" 'index($2, p) == 1 && $2 !~ "^" p "pools/zone-[^/]*$" {print $2}' /proc/self/mounts | sort -r)
   for m in "${mnts[@]}"; do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || log "cannot unmount $m"; done
   detach_loops_under_mg
-  if mountpoint -q "$MG/pools"; then
-    umount "$MG/pools" 2>/dev/null || umount -l "$MG/pools" 2>/dev/null || log "cannot unmount $MG/pools"
-  fi
+  for pool in "$MG"/pools/*/; do
+    pool=${pool%/}
+    if mountpoint -q "$pool"; then
+      umount "$pool" 2>/dev/null || umount -l "$pool" 2>/dev/null || log "cannot unmount $pool"
+    fi
+  done
   if [[ "${KEEP_STATE:-0}" != 1 ]]; then rm -rf "$MG"; fi
 fi
 

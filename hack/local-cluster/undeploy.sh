@@ -56,10 +56,11 @@ log "no modeguard volume or snapshot left"
 # With every volume deleted, nothing of the driver's may still be attached or mounted on the
 # host: a loop device or mount left here is a leak of the driver's, reported, not cleaned
 # (down.sh cleans up after a failed run).
-# The pools' own xfs (deploy.sh: pools.img mounted at pools) is the driver's storage, not a leak.
+# The pools' own xfs (deploy.sh: pool-<zone>.img mounted at pools/<zone>) are the driver's
+# storage, not leaks.
 MG="$BUILD/modeguard-local/"
-leaks=$(losetup -a 2>/dev/null | grep -F "$MG" | grep -vF "(${MG}pools.img)" || true)
-leaks+=$(awk -v p="$MG" 'index($2, p) == 1 && $2 != p "pools" {print "mount " $2}' /proc/self/mounts)
+leaks=$(losetup -a 2>/dev/null | grep -F "$MG" | grep -vE "\\(${MG}pool-[^/]*\\.img\\)$" || true)
+leaks+=$(awk -v p="$MG" 'index($2, p) == 1 && $2 !~ "^" p "pools/zone-[^/]*$" {print "mount " $2}' /proc/self/mounts)
 if [[ -n "$leaks" ]]; then
   log "ERROR: left by deleted volumes:"
   echo "$leaks" >&2

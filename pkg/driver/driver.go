@@ -28,7 +28,9 @@ import (
 // DefaultDriverName is the CSI driver name unless --driver-name says otherwise.
 const DefaultDriverName = "modeguard.csi.dev"
 
-// Topology keys reported by NodeGetInfo and used for placement.
+// Topology keys. NodeGetInfo reports the zone, which placement follows.
+// The node key is only read: node plugins of earlier versions reported it
+// too, so a CO may still name a node in a requisite (candidateZones).
 const (
 	TopologyZoneKey = "topology.modeguard.csi.dev/zone"
 	TopologyNodeKey = "topology.modeguard.csi.dev/node"
@@ -80,11 +82,10 @@ type Driver struct {
 	cfg   Config
 	locks *opLocks
 	nodes *nodeLocks
-	// nodeID is what NodeGetInfo reports; nodeKey is the node's name in
-	// it (the node name itself unless that is too long for a label value).
-	nodeID  string
-	nodeKey string
-	state   *nodestate.Store
+	// nodeID is what NodeGetInfo reports: the node's name (its key when
+	// too long for a label value), zone, address and limit.
+	nodeID string
+	state  *nodestate.Store
 
 	// controllersReady is set once cfg.Controllers is final; the store
 	// publishes the map to every call that loads true.
@@ -117,7 +118,6 @@ func New(cfg Config) (*Driver, error) {
 		if err := n.Validate(); err != nil {
 			return nil, fmt.Errorf("the node role needs --node-id and --zone: %w", err)
 		}
-		d.nodeKey = n.Name
 		d.nodeID = n.String()
 		if cfg.StateDir == "" {
 			return nil, fmt.Errorf("the node role needs --state-dir")

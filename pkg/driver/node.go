@@ -54,9 +54,12 @@ func (s *nodeServer) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi
 	return &csi.NodeGetInfoResponse{
 		NodeId:            s.d.nodeID,
 		MaxVolumesPerNode: s.d.cfg.MaxVolumesPerNode,
+		// The zone alone: volumes live in a zone's pool, never on one
+		// node, so a node key would only split what a CO derives per
+		// topology segment (Kubernetes' CSIStorageCapacity objects, one
+		// per class and segment, each a GetCapacity per poll) by node.
 		AccessibleTopology: &csi.Topology{Segments: map[string]string{
 			TopologyZoneKey: s.d.cfg.Zone,
-			TopologyNodeKey: s.d.nodeKey,
 		}},
 	}, nil
 }

@@ -133,7 +133,7 @@ func TestNodeIdentityIsItsName(t *testing.T) {
 }
 
 // TestLongNodeName: a Kubernetes node name of 253 characters works; the
-// id and the topology segment carry its key, short enough for both.
+// id carries its key, short enough for it, and the topology only the zone.
 func TestLongNodeName(t *testing.T) {
 	name := strings.Repeat("n", 60) + "." + strings.Repeat("o", 60) + "." + strings.Repeat("d", 60) + "." + strings.Repeat("e", 70)
 	if len(name) != 253 {
@@ -144,9 +144,11 @@ func TestLongNodeName(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	key := info.GetAccessibleTopology().GetSegments()[driver.TopologyNodeKey]
-	if key != nodeid.Key(name) || len(key) > 63 {
-		t.Errorf("topology node segment %q, want the name's key %q", key, nodeid.Key(name))
+	if id, err := nodeid.Parse(info.GetNodeId()); err != nil || id.Name != nodeid.Key(name) || len(id.Name) > 63 {
+		t.Errorf("node id %q (%v): want the name's key %q", info.GetNodeId(), err, nodeid.Key(name))
+	}
+	if segs := info.GetAccessibleTopology().GetSegments(); len(segs) != 1 || segs[driver.TopologyZoneKey] != testZone {
+		t.Errorf("topology %v, want only %s=%s", segs, driver.TopologyZoneKey, testZone)
 	}
 	if len(info.GetNodeId()) > 192 {
 		t.Errorf("node id %q is %d bytes long", info.GetNodeId(), len(info.GetNodeId()))
