@@ -12,7 +12,8 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 BUILD="${BUILD_DIR:-$REPO/_build}"
-K8S_VERSION=v1.33.13
+# shellcheck source=k8s-version.sh
+source "$HERE/k8s-version.sh"
 K8S_BIN="$BUILD/k8s/bin"
 DEBS="$BUILD/debs"
 FORCE="${FORCE:-0}"
@@ -74,16 +75,9 @@ if [[ ! -s go.sum ]]; then
 fi
 pkgs=()
 for c in "${missing[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$c"); done
-V=k8s.io/component-base/version
-CV=k8s.io/client-go/pkg/version
-ldflags="-s -w"
-for pkg in "$V" "$CV"; do
-  ldflags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=33"
-  ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
-done
 log "building ${missing[*]} ($K8S_VERSION); about 8 minutes cold on 2 cores"
 start=$(date +%s)
-CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$K8S_BIN/" "${pkgs[@]}"
+CGO_ENABLED=0 go build -trimpath -ldflags "$K8S_LDFLAGS" -o "$K8S_BIN/" "${pkgs[@]}"
 log "Kubernetes build took $(( $(date +%s) - start )) s"
 ls -l "$K8S_BIN"
 )

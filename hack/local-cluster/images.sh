@@ -12,36 +12,20 @@ OUT="$BUILD/local-cluster-images"  # not _build/images: hack/images owns that
 [[ -x "$BUSYBOX" ]] || { echo "no $BUSYBOX: run hack/local-cluster/build.sh first" >&2; exit 1; }
 mkdir -p "$OUT"
 
+# shellcheck source=archive.sh
+source "$HERE/archive.sh"
+
 # make_image NAME TAG ENTRYPOINT_JSON CMD_JSON
 make_image() {
-  local name=$1 tag=$2 entry=$3 cmd=$4 work="$OUT/$1.work"
-  if [[ -s "$OUT/$name.tar" && "$OUT/$name.tar" -nt "$BUSYBOX" && "$OUT/$name.tar" -nt "${BASH_SOURCE[0]}" ]]; then
+  local name=$1 tag=$2 entry=$3 cmd=$4 work="$OUT/$1.rootfs"
+  if [[ -s "$OUT/$name.tar" && "$OUT/$name.tar" -nt "$BUSYBOX" && "$OUT/$name.tar" -nt "${BASH_SOURCE[0]}" \
+        && "$OUT/$name.tar" -nt "$HERE/archive.sh" ]]; then
     return 0
   fi
-  rm -rf "$work"; mkdir -p "$work/rootfs"/{bin,etc,tmp,proc,sys,dev,root,var/run}
-  chmod 1777 "$work/rootfs/tmp"
-  cp "$BUSYBOX" "$work/rootfs/bin/busybox"
-  local a
-  for a in $("$BUSYBOX" --list); do
-    [[ "$a" == busybox ]] || ln -sf busybox "$work/rootfs/bin/$a"
-  done
-  printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n' >"$work/rootfs/etc/passwd"
-  printf 'root:x:0:\nnogroup:x:65534:\n' >"$work/rootfs/etc/group"
-  tar --numeric-owner --owner=0 --group=0 --mtime=@0 --sort=name -C "$work/rootfs" -cf "$work/layer.tar" .
-  local diff; diff=$(sha256sum "$work/layer.tar" | cut -d' ' -f1)
-  cat >"$work/config.json" <<JSON
-{"architecture":"amd64","os":"linux","created":"1970-01-01T00:00:00Z",
- "config":{"Env":["PATH=/bin"],"Entrypoint":$entry,"Cmd":$cmd,"WorkingDir":"/"},
- "rootfs":{"type":"layers","diff_ids":["sha256:$diff"]}}
-JSON
-  local cfg; cfg=$(sha256sum "$work/config.json" | cut -d' ' -f1)
-  mv "$work/config.json" "$work/$cfg.json"
-  mkdir -p "$work/$diff"; mv "$work/layer.tar" "$work/$diff/layer.tar"
-  printf '[{"Config":"%s.json","RepoTags":["%s"],"Layers":["%s/layer.tar"]}]\n' "$cfg" "$tag" "$diff" >"$work/manifest.json"
-  tar --numeric-owner --owner=0 --group=0 -C "$work" -cf "$OUT/$name.tar.tmp" manifest.json "$cfg.json" "$diff"
-  mv "$OUT/$name.tar.tmp" "$OUT/$name.tar"
   rm -rf "$work"
-  echo "built $OUT/$name.tar ($tag)"
+  busybox_rootfs "$work" "$BUSYBOX"
+  docker_archive "$OUT/$name.tar" "$tag" "$entry" "$cmd" "$work"
+  rm -rf "$work"
 }
 
 make_image pause registry.k8s.io/pause:3.10 \

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Runs Kubernetes' external storage e2e suites against modeguard on the local
+# cluster (hack/local-cluster), with the driver files of test/conformance.
+#
+#   DRIVER=block|nfs   the driver file (test/conformance/$DRIVER.yaml); default block
+#   SUITES="a|b"       suite names as the spec names spell them (provisioning,
+#                      volumes, multiVolume, read-write-once-pod, ...); default: all
+#                      the suites docs/conformance.md lists for the driver
+#   SKIP=regexp        more specs not to run than test/conformance/skip-$DRIVER.txt
+#   PROCS=2            parallel Ginkgo workers; [Serial] specs run alone at the end
+#   REPORT=dir         JUnit report and log (default _build/conformance/report-$DRIVER)
+#
+# Builds e2e.test (hack/conformance/build.sh); on the local cluster (no
+# KUBECONFIG, or its admin.kubeconfig) brings it up when no node answers (make
+# cluster-up) and imports the test images into every node
+# (hack/conformance/images.sh); runs; prints a per-suite summary
+# (passed/failed/skipped) from the JUnit report. Exits non-zero when a spec fails.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
+BUILD="${BUILD_DIR:-$REPO/_build}"
+OUT="$BUILD/conformance"
+DRIVER="${DRIVER:-block}"
+PROCS="${PROCS:-2}"
+REPORT="${REPORT:-$OUT/report-$DRIVER}"
+log() { printf '[conformance %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+case "$DRIVER" in
+  block|nfs) ;;
+  *) echo "DRIVER must be block or nfs, not $DRIVER" >&2; exit 2 ;;
+esac
+SUITES="${SUITES:-provisioning|volumes|volumeIO|volumeMode|subPath|multiVolume|read-write-once-pod|topology|snapshottable|volume-expand|fsgroupchangepolicy|ephemeral|volumeLimits|capacity|snapshottable-stress|volume-stress}"
+DRIVER_FILE="$REPO/test/conformance/$DRIVER.yaml"
+[[ -f "$DRIVER_FILE" ]] || { echo "no driver file $DRIVER_FILE" >&2; exit 2; }
+
+# The local cluster's nodes share this kernel: NFS volumes mount only where
+# it has an NFS client (docs/conformance.md).
+LOCAL=0
+[[ -z "${KUBECONFIG:-}" || "$KUBECONFIG" == "$BUILD/cluster/admin.kubeconfig" ]] && LOCAL=1
+if [[ "$LOCAL" == 1 && "$DRIVER" == nfs ]] && ! grep -qw nfs4 /proc/filesystems && ! modprobe -q nfsv4 2>/dev/null; then
+  log "DRIVER=nfs: this kernel has no NFS client, so no pod of the local cluster can mount an NFS volume;"
+  log "run it with KUBECONFIG naming a cluster whose nodes have one and the driver deployed (docs/conformance.md)"
+  exit 0
+fi
+
+bash "$HERE/build.sh"
+export KUBECONFIG="${KUBECONFIG:-$BUILD/cluster/admin.kubeconfig}"
+export PATH="$BUILD/k8s/bin:$PATH"  # the suite runs kubectl exec
+if [[ "$LOCAL" == 1 ]]; then
+  if ! kubectl get --raw /readyz >/dev/null 2>&1 \
+     || ! kubectl get csidriver modeguard.csi.dev >/dev/null 2>&1; then
+    log "no local cluster with modeguard answers: make cluster-up"
+    make -C "$REPO" cluster-up
+  fi
+  bash "$HERE/images.sh"  # elsewhere the nodes pull the test images
+  # volumeLimits fills one node up to its limit and takes the node to hold no
+  # other volume of the driver: the claim deploy.sh proves the cluster with goes.
+  kubectl -n default delete pod mg-local-test --ignore-not-found --wait=true --timeout=120s >/dev/null
+  kubectl -n default delete pvc mg-local-test --ignore-not-found --wait=true --timeout=120s >/dev/null
+fi
+
+rm -rf "$REPORT"; mkdir -p "$REPORT"; REPORT=$(cd "$REPORT" && pwd)
+# Spec names read "External Storage [Driver: modeguard.csi.dev] [Testpattern: ...] <suite> <spec>".
+focus="External.Storage \\[Driver: modeguard\\.csi\\.dev\\] \\[Testpattern: [^]]*\\] ($SUITES) "
+# Specs that cannot pass here, kept in test/conformance/skip-$DRIVER.txt
+# (docs/conformance.md says why for each), plus $SKIP.
+skip=$(grep -vE '^\s*(#|$)' "$REPO/test/conformance/skip-$DRIVER.txt" 2>/dev/null | paste -sd'|' || true)
+[[ -n "${SKIP:-}" ]] && skip="${skip:+$skip|}$SKIP"
+skip_args=()
+[[ -n "$skip" ]] && skip_args=(--skip="$skip")
+log "running $DRIVER: suites ($SUITES) with $PROCS workers; log in $REPORT/e2e.log"
+start=$(date +%s)
+rc=0
+# From the scratch module, whose go.mod has the ginkgo the CLI was built from.
+(cd "$HERE/e2e-build" && "$OUT/ginkgo" --procs="$PROCS" --focus="$focus" "${skip_args[@]}" \
+    --timeout="${GINKGO_TIMEOUT:-4h}" --no-color --silence-skips --junit-report=junit.xml --output-dir="$REPORT" \
+    "$OUT/e2e.test" -- \
+    -storage.testdriver="$DRIVER_FILE" -repo-root="$REPO" \
+    -kubeconfig="$KUBECONFIG" -provider=skeleton -node-os-distro=debian \
+    -disable-log-dump -report-dir="$REPORT") >"$REPORT/e2e.log" 2>&1 || rc=$?
+log "took $(( $(date +%s) - start )) s, exit $rc"
+python3 "$HERE/summary.py" "$REPORT/junit.xml" || true
+if (( rc != 0 )); then
+  echo "--- failures (tail of $REPORT/e2e.log) ---"
+  grep -E '^\s*\[FAIL\]|^  \[FAILED\]|Summarizing' -A3 "$REPORT/e2e.log" | tail -60
+fi
+exit $rc
