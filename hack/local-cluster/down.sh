@@ -94,6 +94,8 @@ fi
 # The loop devices of volume images go first: they keep the pools' xfs (its own loop device,
 # released by its unmount) busy.
 MG="$BUILD/modeguard-local"
+# shellcheck source=pool-loops.sh
+source "$HERE/pool-loops.sh"
 detach_loops_under_mg() {
   local f dev
   for f in /sys/block/loop*/loop/backing_file; do
@@ -102,6 +104,10 @@ detach_loops_under_mg() {
       dev=/dev/$(basename "$(dirname "$(dirname "$f")")")
       losetup -d "$dev" 2>/dev/null && log "detached $dev ($(cat "$f" 2>/dev/null))"
     fi
+  done
+  # Bound to a file of a pool through a mount that is gone: named by another path.
+  for dev in $(pool_bound_loops "$MG"); do
+    losetup -d "$dev" 2>/dev/null && log "detached $dev (a file on a pool's filesystem)"
   done
   return 0
 }

@@ -59,7 +59,12 @@ log "no modeguard volume or snapshot left"
 # The pools' own xfs (deploy.sh: pool-<zone>.img mounted at pools/<zone>) are the driver's
 # storage, not leaks.
 MG="$BUILD/modeguard-local/"
+# shellcheck source=pool-loops.sh
+source "$HERE/pool-loops.sh"
 leaks=$(losetup -a 2>/dev/null | grep -F "$MG" | grep -vE "\\(${MG}pool-[^/]*\\.img\\)$" || true)
+for dev in $(pool_bound_loops "$MG"); do
+  grep -qF "$dev:" <<<"$leaks" || leaks+=$'\n'"$(losetup "$dev")"
+done
 leaks+=$(awk -v p="$MG" 'index($2, p) == 1 && $2 !~ "^" p "pools/zone-[^/]*$" {print "mount " $2}' /proc/self/mounts)
 if [[ -n "$leaks" ]]; then
   log "ERROR: left by deleted volumes:"

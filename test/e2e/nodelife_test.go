@@ -130,3 +130,67 @@ func volumeMountedBelow(dir string, pv *corev1.PersistentVolume) bool {
 	}
 	return false
 }
+
+// A node plugin restarted while it has a volume staged (a rollout, an
+// upgrade, a crash) must still detach that volume's loop device when the
+// pod goes. The new plugin's container sees the pool through a mount of
+// its own: the kernel names the old binding's file relative to the old
+// container's mount, which is gone.
+func TestPluginRestartThenUnstageDetaches(t *testing.T) {
+	c := setup(t)
+	c.create(c.example("node-restart.yaml")...)
+	pod := c.waitRunning("node-restart")
+	node := pod.Spec.NodeName
+	pv := c.boundPV("node-restart-claim")
+	image := c.blockImage(pv, c.zoneOf(node))
+	if len(loopDevicesNaming(image)) == 0 {
+		c.fatalf("no loop device names %s while node-restart runs", filepath.Base(image))
+	}
+
+	plugins, err := c.cs.CoreV1().Pods("modeguard").List(c.ctx, metav1.ListOptions{
+		LabelSelector: "app.kubernetes.io/component=node", FieldSelector: "spec.nodeName=" + node})
+	if err != nil || len(plugins.Items) != 1 {
+		c.fatalf("the node plugin on %s: %d pods, %v", node, len(plugins.Items), err)
+	}
+	old := plugins.Items[0]
+	if err := c.cs.CoreV1().Pods("modeguard").Delete(c.ctx, old.Name, metav1.DeleteOptions{}); err != nil {
+		c.fatalf("deleting the node plugin %s: %v", old.Name, err)
+	}
+	c.waitFor("a new node plugin ready on "+node, 2*startTimeout, func() (bool, error) {
+		l, err := c.cs.CoreV1().Pods("modeguard").List(c.ctx, metav1.ListOptions{
+			LabelSelector: "app.kubernetes.io/component=node", FieldSelector: "spec.nodeName=" + node})
+		if err != nil {
+			return false, err
+		}
+		for i := range l.Items {
+			if l.Items[i].UID != old.UID && podReady(&l.Items[i]) {
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+
+	c.deletePodAndWait("node-restart")
+	nodeDir := filepath.Join(c.build, "cluster", "nodes", node)
+	c.waitFor("the volume unmounted from "+node, startTimeout, func() (bool, error) {
+		return !volumeMountedBelow(nodeDir, pv), nil
+	})
+	c.waitFor("no loop device naming "+filepath.Base(image), startTimeout, func() (bool, error) {
+		return len(loopDevicesNaming(image)) == 0, nil
+	})
+}
+
+// loopDevicesNaming lists the loop devices whose backing file has image's
+// name, however the kernel spells the path (from whichever mount it was
+// opened through).
+func loopDevicesNaming(image string) []string {
+	files, _ := filepath.Glob("/sys/block/loop*/loop/backing_file")
+	var out []string
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err == nil && strings.Contains(string(b), "/"+filepath.Base(image)) {
+			out = append(out, filepath.Base(filepath.Dir(filepath.Dir(f))))
+		}
+	}
+	return out
+}

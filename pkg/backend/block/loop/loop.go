@@ -180,6 +180,15 @@ func BackingFile(dev string) (string, error) {
 // the test for "dev is this image" (a volume deleted and created again
 // reuses the name): that is BoundTo. The kernel records the path with
 // symlinks resolved, so image's directory is resolved the same way.
+//
+// The kernel writes the path as seen through the mount the file was opened
+// on. When that mount is out of this process's reach (a node plugin's
+// container, since restarted, opened it through its own mount of the pool,
+// which went with the container), the path is relative to that mount's root:
+// a tail of image's path, on the filesystem of image's directory. That is
+// the same file's name too, and is checked as such: the tail, then the
+// filesystem (asked of the loop driver only for a device whose path already
+// names the image, so no other volume's device is opened).
 func NamedBy(dev, image string) (bool, error) {
 	backing, err := BackingFile(dev)
 	if err != nil || backing == "" {
@@ -189,7 +198,22 @@ func NamedBy(dev, image string) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	return backing == want || backing == want+DeletedSuffix, nil
+	if backing == want || backing == want+DeletedSuffix {
+		return true, nil
+	}
+	tail := strings.TrimSuffix(backing, DeletedSuffix)
+	if !strings.HasPrefix(tail, "/") || !strings.HasSuffix(want, tail) {
+		return false, nil
+	}
+	var dir unix.Stat_t
+	if err := unix.Stat(filepath.Dir(want), &dir); err != nil {
+		return false, fmt.Errorf("stat %s: %w", filepath.Dir(want), err)
+	}
+	info, bound, err := status(dev)
+	if err != nil || !bound {
+		return false, err
+	}
+	return sameDevice(info.Device, dir.Dev), nil
 }
 
 // BoundTo reports whether dev is bound to the very file image is now: the
@@ -209,25 +233,42 @@ func BoundTo(dev, image string) (bool, error) {
 		}
 		return false, fmt.Errorf("stat %s: %w", image, err)
 	}
+	info, bound, err := status(dev)
+	if err != nil || !bound {
+		return false, err
+	}
+	return info.Inode == st.Ino && sameDevice(info.Device, st.Dev), nil
+}
+
+// status asks the loop driver which file dev is bound to; bound is false
+// for an unbound device or a missing device node.
+func status(dev string) (info *unix.LoopInfo64, bound bool, err error) {
+	if !ValidDevice(dev) {
+		return nil, false, fmt.Errorf("%q is not a loop device", dev)
+	}
 	f, err := os.OpenFile(dev, os.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		if errors.Is(err, os.ErrNotExist) || errors.Is(err, unix.ENXIO) {
-			return false, nil
+			return nil, false, nil
 		}
-		return false, err
+		return nil, false, err
 	}
 	defer f.Close()
-	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+	info, err = unix.IoctlLoopGetStatus64(int(f.Fd()))
 	if errors.Is(err, unix.ENXIO) {
-		return false, nil // not bound
+		return nil, false, nil // not bound
 	}
 	if err != nil {
-		return false, fmt.Errorf("LOOP_GET_STATUS64 on %s: %w", dev, err)
+		return nil, false, fmt.Errorf("LOOP_GET_STATUS64 on %s: %w", dev, err)
 	}
-	// The kernel reports the backing file's device in its own encoding,
-	// which unix.Major and unix.Minor decode like a stat's.
-	return info.Inode == st.Ino &&
-		unix.Major(info.Device) == unix.Major(st.Dev) && unix.Minor(info.Device) == unix.Minor(st.Dev), nil
+	return info, true, nil
+}
+
+// sameDevice compares the loop driver's record of a backing file's device,
+// in the kernel's own encoding (which unix.Major and unix.Minor decode like
+// a stat's), with a stat's device.
+func sameDevice(loopDevice, statDevice uint64) bool {
+	return unix.Major(loopDevice) == unix.Major(statDevice) && unix.Minor(loopDevice) == unix.Minor(statDevice)
 }
 
 // DevicesOf lists the loop devices bound to the very file image is now.

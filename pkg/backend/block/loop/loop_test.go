@@ -185,6 +185,61 @@ func TestNamedByResolvesSymlinkedDirectories(t *testing.T) {
 	}
 }
 
+// A device bound through a mount that is gone from this process's view (a
+// node plugin's container that has since restarted, with its own mount of
+// the pool) is still recognised as the image's, and detached: the kernel
+// then names the file relative to that mount's root.
+func TestNamedByThroughAMountThatIsGone(t *testing.T) {
+	dir := scratch(t)
+	pool := filepath.Join(dir, "pool")
+	other := filepath.Join(dir, "other-view")
+	for _, d := range []string{filepath.Join(pool, "volumes"), other} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	image := filepath.Join(pool, "volumes", "x.img")
+	sparseFile(t, image, 8*mib)
+	if out, err := exec.Command("mount", "--bind", pool, other).CombinedOutput(); err != nil {
+		t.Fatalf("mount --bind: %v: %s", err, out)
+	}
+	dev, err := Attach(context.Background(), filepath.Join(other, "volumes", "x.img"), false)
+	if err != nil {
+		exec.Command("umount", other).Run()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if backing, _ := BackingFile(dev.Path); backing != "" {
+			exec.Command("losetup", "--detach", dev.Path).Run()
+		}
+	})
+	if out, err := exec.Command("umount", "--lazy", other).CombinedOutput(); err != nil {
+		t.Fatalf("umount --lazy: %v: %s", err, out)
+	}
+	backing, _ := BackingFile(dev.Path)
+	if backing != "/volumes/x.img" {
+		t.Fatalf("backing file through a detached mount is %q; the test expects the kernel to name it from that mount's root", backing)
+	}
+	// The same tail on another filesystem is another file.
+	shm, err := os.MkdirTemp("/dev/shm", "namedby-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(shm) })
+	if err := os.MkdirAll(filepath.Join(shm, "volumes"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if named, err := NamedBy(dev.Path, filepath.Join(shm, "volumes", "x.img")); err != nil || named {
+		t.Errorf("NamedBy(an image of that name on another filesystem) = %v, %v; want false", named, err)
+	}
+	if named, err := NamedBy(dev.Path, image); err != nil || !named {
+		t.Fatalf("NamedBy(image) = %v, %v; want true", named, err)
+	}
+	if done, err := DetachIfBackedBy(context.Background(), dev.Path, image); err != nil || !done {
+		t.Fatalf("DetachIfBackedBy = %v, %v; want the device detached", done, err)
+	}
+}
+
 // ramfs has no O_DIRECT at all (tmpfs gained it in Linux 6.6), so it stands
 // in for every filesystem that refuses direct I/O.
 func TestAttachFallsBackToBufferedIOWithoutODirect(t *testing.T) {
