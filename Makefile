@@ -73,7 +73,7 @@ test-e2e:
 # every skip. make test-e2e runs CONFORMANCE_SUBSET of the block driver;
 # make conformance runs every suite of both driver files (cluster brought up
 # when none answers, left up afterwards: make cluster-down).
-CONFORMANCE_SUBSET := read-write-once-pod|multiVolume|topology|provisioning|snapshottable
+CONFORMANCE_SUBSET := read-write-once-pod|multiVolume|topology|provisioning|snapshottable|capacity
 conformance: build $(KUSTOMIZE)
 	@rc=0; \
 	DRIVER=block bash hack/conformance/run.sh || rc=1; \

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Stops what hack/local-cluster/up.sh started, by the PIDs in _build/cluster/pids (SIGTERM,
 # then SIGKILL after a bounded wait): the kubelets, pod processes (found under the containerd
-# shims that name one of OUR containerd sockets), the containerds, control plane, etcd. Then unmounts everything
-# under _build/cluster (netns bind mounts included), removes the host veths of our CNI plugin,
+# shims that name one of OUR containerd sockets), the containerds, control plane, etcd. Then detaches
+# the loop devices a kubelet left on raw block volumes and unmounts everything under _build/cluster (netns bind mounts included), removes the host veths of our CNI plugin,
 # the cgroups made for the kubelet, and restores the host sysctls the kubelet changed.
 # PURGE=1 also deletes _build/cluster (PKI, etcd data, images).
 set -uo pipefail
@@ -78,6 +78,16 @@ wait
 if [[ -s "$C/pids" ]]; then
   tac "$C/pids" | while read -r name pid; do if ours "$pid"; then stop_pid "$name" "$pid"; fi; done
 fi
+
+# A kubelet holds each raw block volume it maps with a loop device of its own, backed by the
+# device node it bound below its root; a kubelet that was killed never releases them, and they
+# keep the volume's loop device (and so its pool) busy. Their backing path names the cluster
+# dir only while that bind mount exists: detach them before unmounting.
+for f in /sys/block/loop*/loop/backing_file; do
+  [[ -r "$f" && "$(cat "$f" 2>/dev/null)" == "$C/"* ]] || continue
+  dev=/dev/$(basename "$(dirname "$(dirname "$f")")")
+  losetup -d "$dev" 2>/dev/null && log "detached $dev (a kubelet's hold on a raw block volume)"
+done
 
 # Unmount everything below the cluster dir, deepest first (overlay rootfs, netns, volumes).
 if [[ -d "$C" ]]; then
