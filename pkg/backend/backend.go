@@ -147,6 +147,10 @@ type Controller interface {
 	ExpandVolume(ctx context.Context, id volumeid.ID, bytes int64) (*Volume, error)
 	// ListVolumes returns every volume, sorted by ID.
 	ListVolumes(ctx context.Context) ([]*Volume, error)
+	// VolumesOn returns the volumes with an attachment to node key
+	// (accessmode.Attachment.Node), sorted by ID, at a cost that follows
+	// their number, not the number of volumes (see NodeIndex).
+	VolumesOn(ctx context.Context, node string) ([]*Volume, error)
 	// VolumeHealth reports the volume's condition as the controller sees it.
 	VolumeHealth(ctx context.Context, id volumeid.ID) (Health, error)
 

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -17,11 +18,14 @@ import (
 )
 
 // TestConcurrentAttachesKeepTheNodeLimit: attaches of different volumes to
-// one node that arrive together still add up to at most the limit the node
-// reports in its id.
+// one node that arrive together still add up to exactly the limit the node
+// reports in its id: each counts what the node holds under the node's
+// lock. Each attach is held up between that count and its record, and
+// several rounds start from an empty node, to give a lost race every
+// chance to show.
 func TestConcurrentAttachesKeepTheNodeLimit(t *testing.T) {
-	const limit, volumes = 3, 12
-	e := newEnv(t, limit)
+	const limit, volumes, rounds = 3, 16, 10
+	e := newEnv(t, limit, func(e *env) { e.attachDelay = 5 * time.Millisecond })
 	c := blockCap(accessmode.SingleNodeWriter)
 	var vols []string
 	for i := 0; i < volumes; i++ {
@@ -31,36 +35,42 @@ func TestConcurrentAttachesKeepTheNodeLimit(t *testing.T) {
 	if n, err := nodeid.Parse(node); err != nil || n.MaxVolumes != limit {
 		t.Fatalf("node id %q = %+v, %v; want the limit %d in it", node, n, err, limit)
 	}
-	var wg sync.WaitGroup
-	errs := make([]error, volumes)
-	start := make(chan struct{})
-	for i, v := range vols {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			<-start
-			_, errs[i] = e.ctrl.ControllerPublishVolume(ctx(t), &csi.ControllerPublishVolumeRequest{VolumeId: v, NodeId: node, VolumeCapability: c})
-		}()
-	}
-	close(start)
-	wg.Wait()
-	ok := 0
-	for i, err := range errs {
-		switch status.Code(err) {
-		case codes.OK:
-			ok++
-			e.cleanupControllerUnpublish(t, vols[i], node)
-		case codes.ResourceExhausted:
-		default:
-			t.Errorf("publish of %s: %v, want OK or RESOURCE_EXHAUSTED", vols[i], err)
+	for round := range rounds {
+		var wg sync.WaitGroup
+		errs := make([]error, volumes)
+		start := make(chan struct{})
+		for i, v := range vols {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				_, errs[i] = e.ctrl.ControllerPublishVolume(ctx(t), &csi.ControllerPublishVolumeRequest{VolumeId: v, NodeId: node, VolumeCapability: c})
+			}()
 		}
-	}
-	held := 0
-	for _, v := range vols {
-		held += len(publishedNodes(t, e, v))
-	}
-	if ok != limit || held != limit {
-		t.Errorf("%d publishes succeeded and %d attachments are recorded; the node's limit is %d", ok, held, limit)
+		close(start)
+		wg.Wait()
+		var published []string
+		for i, err := range errs {
+			switch status.Code(err) {
+			case codes.OK:
+				published = append(published, vols[i])
+			case codes.ResourceExhausted:
+			default:
+				t.Errorf("round %d: publish of %s: %v, want OK or RESOURCE_EXHAUSTED", round, vols[i], err)
+			}
+		}
+		held := 0
+		for _, v := range vols {
+			held += len(publishedNodes(t, e, v))
+		}
+		for _, v := range published {
+			if _, err := e.ctrl.ControllerUnpublishVolume(ctx(t), &csi.ControllerUnpublishVolumeRequest{VolumeId: v, NodeId: node}); err != nil {
+				t.Fatalf("ControllerUnpublishVolume %s: %v", v, err)
+			}
+		}
+		if len(published) != limit || held != limit {
+			t.Fatalf("round %d: %d publishes succeeded and %d attachments are recorded; the node's limit is %d", round, len(published), held, limit)
+		}
 	}
 }
 

@@ -3,6 +3,7 @@ package driver
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -66,18 +67,19 @@ func (l *nodeLocks) lock(ctx context.Context, key string) (func(), error) {
 	}
 }
 
-// heldBy lists the volumes node key holds, read after its lock was taken.
+// heldBy lists the volumes node key holds, read after its lock was taken,
+// sorted by id. Each backend keeps an index by node, so the cost follows
+// what the node holds, not how many volumes there are.
 func (d *Driver) heldBy(ctx context.Context, key string) ([]*backend.Volume, error) {
-	all, err := d.allVolumes(ctx)
-	if err != nil {
-		return nil, err
-	}
 	var out []*backend.Volume
-	for _, v := range all {
-		if slices.ContainsFunc(v.Attachments, func(a accessmode.Attachment) bool { return a.Node() == key }) {
-			out = append(out, v)
+	for _, b := range slices.Sorted(maps.Keys(d.cfg.Controllers)) {
+		vols, err := d.cfg.Controllers[b].VolumesOn(ctx, key)
+		if err != nil {
+			return nil, err
 		}
+		out = append(out, vols...)
 	}
+	slices.SortFunc(out, func(a, b *backend.Volume) int { return strings.Compare(a.ID, b.ID) })
 	return out, nil
 }
 

@@ -34,6 +34,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/localcluster"
 	"github.com/modeguard/modeguard/pkg/metrics"
 	"github.com/modeguard/modeguard/pkg/mounts"
+	"github.com/modeguard/modeguard/pkg/volumeid"
 	"github.com/modeguard/modeguard/test/testenv"
 )
 
@@ -54,6 +55,10 @@ type env struct {
 	// mountTable is what the driver reads mounts from; the zero value is
 	// the kernel's.
 	mountTable mounts.Table
+	// attachDelay, when set, makes every SetAttachments of the block
+	// backend wait that long first: a wider window for races between the
+	// driver's check of a node and the record of an attachment.
+	attachDelay time.Duration
 
 	d      *driver.Driver
 	srv    *grpc.Server
@@ -128,7 +133,7 @@ func (e *env) start(t *testing.T) {
 		Zone:              testZone,
 		StateDir:          e.stateDir,
 		MaxVolumesPerNode: e.maxVols,
-		Controllers:       map[accessmode.Backend]backend.Controller{accessmode.BackendBlock: ctrl},
+		Controllers:       map[accessmode.Backend]backend.Controller{accessmode.BackendBlock: e.controller(ctrl)},
 		Nodes:             map[accessmode.Backend]backend.Node{accessmode.BackendBlock: node},
 		Metrics:           e.metrics,
 		MountTable:        e.mountTable,
@@ -195,6 +200,26 @@ func unmountNewestFirst(t *testing.T, root string) {
 }
 
 func (e *env) nodeID() string { return e.d.NodeID() }
+
+// controller is the block backend as the driver gets it (see attachDelay).
+func (e *env) controller(c backend.Controller) backend.Controller {
+	if e.attachDelay == 0 {
+		return c
+	}
+	return slowAttach{Controller: c, delay: e.attachDelay}
+}
+
+// slowAttach is the real block controller with a pause before each
+// SetAttachments.
+type slowAttach struct {
+	backend.Controller
+	delay time.Duration
+}
+
+func (s slowAttach) SetAttachments(ctx context.Context, id volumeid.ID, a []accessmode.Attachment) (*backend.Volume, error) {
+	time.Sleep(s.delay)
+	return s.Controller.SetAttachments(ctx, id, a)
+}
 
 func ctx(t testing.TB) context.Context {
 	c, cancel := context.WithTimeout(context.Background(), 2*time.Minute)

@@ -30,17 +30,20 @@ import (
 var driverVerbosity = 1
 
 type options struct {
-	binary      string
-	work        string
-	runs        int
-	only        map[string]bool
-	blockVols   int // controller start-up: block volumes recorded
-	nfsVols     int // NFS volumes for start-up (at least the largest of nfsCounts)
-	listVols    int // ListVolumes and controller memory
-	nodeVols    int // node start-up and memory: published volumes
-	nfsCounts   []int
-	fioSeconds  int
-	keepWorkDir bool
+	binary    string
+	work      string
+	runs      int
+	only      map[string]bool
+	blockVols int // controller start-up: block volumes recorded
+	nfsVols   int // NFS volumes for start-up (at least the largest of nfsCounts)
+	listVols  int // ListVolumes and controller memory
+	nodeVols  int // node start-up and memory: published volumes
+	nfsCounts []int
+	// perCallCounts: volumes recorded when one more lifecycle's calls are
+	// timed, ascending.
+	perCallCounts []int
+	fioSeconds    int
+	keepWorkDir   bool
 }
 
 // row is one line of the table.
@@ -54,6 +57,7 @@ var measurements = []struct {
 }{
 	{"lifecycle", lifecycle},
 	{"concurrency", concurrency},
+	{"percall", perCall},
 	{"controller", controllerScale},
 	{"node", nodeScale},
 	{"fio", dataPath},
@@ -62,7 +66,7 @@ var measurements = []struct {
 
 func main() {
 	var o options
-	var only, counts string
+	var only, counts, perCallCounts string
 	flag.StringVar(&o.binary, "binary", "bin/modeguard", "the driver binary (make build)")
 	flag.StringVar(&o.work, "work", "/var/tmp/modeguard-bench", "work directory on the disk under test; emptied first, removed at the end")
 	flag.IntVar(&o.runs, "runs", 5, "repetitions of each measurement (lifecycles: 10x this many)")
@@ -70,6 +74,7 @@ func main() {
 	flag.IntVar(&o.blockVols, "block-volumes", 5000, "block volumes recorded for the controller start-up")
 	flag.IntVar(&o.nfsVols, "nfs-volumes", 150, "NFS volumes recorded for the controller start-up (at least the largest of -nfs-counts)")
 	flag.StringVar(&counts, "nfs-counts", "10,50,150", "NFS volume counts at which one more create+publish is timed")
+	flag.StringVar(&perCallCounts, "percall-counts", "100,10000", "block volumes recorded when the calls of one more lifecycle are timed")
 	flag.IntVar(&o.listVols, "list-volumes", 10000, "volumes for ListVolumes paging and controller memory")
 	flag.IntVar(&o.nodeVols, "node-volumes", 200, "volumes published on the node for its start-up and memory")
 	flag.IntVar(&o.fioSeconds, "fio-seconds", 10, "runtime of each fio job")
@@ -82,14 +87,8 @@ func main() {
 			o.only[strings.TrimSpace(n)] = true
 		}
 	}
-	for _, c := range strings.Split(counts, ",") {
-		var n int
-		if _, err := fmt.Sscan(strings.TrimSpace(c), &n); err != nil || n < 1 {
-			fail("-nfs-counts: %q is not a positive number", c)
-		}
-		o.nfsCounts = append(o.nfsCounts, n)
-	}
-	slices.Sort(o.nfsCounts)
+	o.nfsCounts = positiveCounts("-nfs-counts", counts)
+	o.perCallCounts = positiveCounts("-percall-counts", perCallCounts)
 	if o.nfsVols < o.nfsCounts[len(o.nfsCounts)-1] {
 		o.nfsVols = o.nfsCounts[len(o.nfsCounts)-1]
 	}
@@ -136,6 +135,20 @@ func main() {
 	if failed {
 		os.Exit(1)
 	}
+}
+
+// positiveCounts parses a comma-separated list of positive numbers, sorted.
+func positiveCounts(flagName, list string) []int {
+	var out []int
+	for _, c := range strings.Split(list, ",") {
+		var n int
+		if _, err := fmt.Sscan(strings.TrimSpace(c), &n); err != nil || n < 1 {
+			fail("%s: %q is not a positive number", flagName, c)
+		}
+		out = append(out, n)
+	}
+	slices.Sort(out)
+	return out
 }
 
 func names() string {

@@ -313,7 +313,7 @@ func concurrency(ctx context.Context, b *bench) ([]row, error) {
 			durationRow(fmt.Sprintf("64 creates + 64 deletes (256 MiB), one at a time, %s", kind.name), seqS, "", fmt.Sprintf("%.0f calls/s", 2*n/sm.Seconds())),
 			durationRow(fmt.Sprintf("64 creates + 64 deletes (256 MiB), all in flight, %s", kind.name), parS, "", fmt.Sprintf("%.0f calls/s, no errors", 2*n/pm.Seconds())),
 			row{name: "  throughput gain", value: fmt.Sprintf("%.2fx", ratios[len(ratios)/2]),
-				spread: fmt.Sprintf("%.2fx..%.2fx", ratios[0], ratios[len(ratios)-1]), target: ">= 1.5x"})
+				spread: fmt.Sprintf("%.2fx..%.2fx", ratios[0], ratios[len(ratios)-1]), target: ">= 3x"})
 	}
 	return rows, nil
 }
@@ -364,6 +364,34 @@ func createDelete(ctx context.Context, ctrl *plugin, prefix string, n, parallel 
 		return 0, fmt.Errorf("DeleteVolume (%d in flight): %w", parallel, err)
 	}
 	return time.Since(began), nil
+}
+
+// inBatches runs f for every i in [from, to), eight at a time (the
+// driver's records are made durable one fsync at a time; eight in flight
+// fill the disk's queue), and returns the first error.
+func inBatches(from, to int, f func(i int) error) error {
+	const parallel = 8
+	for from < to {
+		batch := min(parallel, to-from)
+		var wg sync.WaitGroup
+		errs := make(chan error, batch)
+		for i := from; i < from+batch; i++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if err := f(i); err != nil {
+					errs <- err
+				}
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		if err := <-errs; err != nil {
+			return err
+		}
+		from += batch
+	}
+	return nil
 }
 
 // controllerScale: one controller with a block pool and its own ganesha
@@ -440,28 +468,14 @@ func controllerScale(ctx context.Context, b *bench) ([]row, error) {
 	blockCap := capability(singleWriter, "")
 	made := 0
 	fillBlock := func(total int) error {
-		const parallel = 8
-		for made < total {
-			batch := min(parallel, total-made)
-			var wg sync.WaitGroup
-			errs := make(chan error, batch)
-			for i := 0; i < batch; i++ {
-				wg.Add(1)
-				go func(i int) {
-					defer wg.Done()
-					if _, err := ctrl.ctrl.CreateVolume(ctx, createReq(fmt.Sprintf("blk-%d", i), scaleVolumeSize, blockCap, nil)); err != nil {
-						errs <- err
-					}
-				}(made + i)
-			}
-			wg.Wait()
-			close(errs)
-			if err := <-errs; err != nil {
+		err := inBatches(made, total, func(i int) error {
+			if _, err := ctrl.ctrl.CreateVolume(ctx, createReq(fmt.Sprintf("blk-%d", i), scaleVolumeSize, blockCap, nil)); err != nil {
 				return fmt.Errorf("CreateVolume block: %w", err)
 			}
-			made += batch
-		}
-		return nil
+			return nil
+		})
+		made = max(made, total)
+		return err
 	}
 	if err := fillBlock(b.opts.blockVols); err != nil {
 		return rows, err
@@ -475,7 +489,7 @@ func controllerScale(ctx context.Context, b *bench) ([]row, error) {
 		}
 		starts = append(starts, d)
 	}
-	rows = append(rows, durationRow(fmt.Sprintf("controller start to ready, %d block + %d NFS volumes", b.opts.blockVols, nfsCount), starts, "<= 3s",
+	rows = append(rows, durationRow(fmt.Sprintf("controller start to ready, %d block + %d NFS volumes", b.opts.blockVols, nfsCount), starts, "<= 5s",
 		"exec to Probe ready; ganesha started and every export restored"))
 
 	// ListVolumes paging and memory with more volumes.
@@ -525,7 +539,7 @@ func controllerScale(ctx context.Context, b *bench) ([]row, error) {
 		return rows, err
 	}
 	rows = append(rows, row{name: fmt.Sprintf("controller RSS with %d volumes", total), value: fmt.Sprintf("%.1f MiB", float64(rss)/1024),
-		target: "<= 100 MiB", note: "after paging through them all"})
+		target: "<= 64 MiB", note: "after paging through them all"})
 	return rows, nil
 }
 
@@ -581,7 +595,7 @@ func nodeScale(ctx context.Context, b *bench) ([]row, error) {
 		durationRow(fmt.Sprintf("node plugin start to ready, %d published volumes", b.opts.nodeVols), starts, "<= 1s",
 			"exec to Probe ready; lock files read and reconciled with the mounts"),
 		{name: fmt.Sprintf("node plugin RSS with %d published volumes", b.opts.nodeVols), value: fmt.Sprintf("%.1f MiB", float64(rss)/1024),
-			target: "<= 50 MiB", note: fmt.Sprintf("%.1f MiB after a restart", float64(rssAfter)/1024)},
+			target: "<= 32 MiB", note: fmt.Sprintf("%.1f MiB after a restart", float64(rssAfter)/1024)},
 	}, nil
 }
 

@@ -47,6 +47,10 @@ type Controller struct {
 	mu        sync.Mutex
 	volumes   map[string]*backend.Volume   // by id string
 	snapshots map[string]*backend.Snapshot // by id string
+	// nodes finds the volumes a node holds; usage keeps what each zone's
+	// volumes have promised (usage.go). Both change with volumes, under mu.
+	nodes backend.NodeIndex
+	usage usage
 	// reserved is, per zone, space promised to creations, expansions and
 	// snapshots still copying: not yet visible as an image in the index.
 	reserved map[string]int64
@@ -70,6 +74,7 @@ func NewController(pools map[string]string) (*Controller, error) {
 		volumes:   map[string]*backend.Volume{},
 		snapshots: map[string]*backend.Snapshot{},
 		reserved:  map[string]int64{},
+		usage:     newUsage(),
 		copies:    map[string]*copyJob{},
 		mounter:   mount.NewSafeFormatAndMount(mount.New(""), utilexec.New()),
 	}
@@ -172,7 +177,7 @@ func (c *Controller) loadMeta(id volumeid.ID, path string) error {
 		if v.ID != id.String() {
 			return fmt.Errorf("volume metadata %s records id %q; its name says %q", path, v.ID, id)
 		}
-		c.volumes[v.ID] = &v
+		c.putVolume(&v)
 	case volumeid.Snapshot:
 		var s backend.Snapshot
 		if err := fsutil.ReadJSON(path, &s); err != nil {
@@ -241,23 +246,8 @@ func (c *Controller) Pools(ctx context.Context) ([]backend.PoolStats, error) {
 }
 
 func (c *Controller) spareIn(p *pool) (int64, error) {
-	type commitment struct {
-		image    string
-		capacity int64
-	}
-	var commitments []commitment
+	idle, held := c.promised(p)
 	c.mu.Lock()
-	for _, v := range c.volumes {
-		id, err := volumeid.Parse(v.ID)
-		if err != nil || id.Zone != p.zone {
-			continue
-		}
-		image, err := p.imagePath(id)
-		if err != nil {
-			continue
-		}
-		commitments = append(commitments, commitment{image, v.CapacityBytes})
-	}
 	reserved := c.reserved[p.zone]
 	c.mu.Unlock()
 
@@ -265,8 +255,9 @@ func (c *Controller) spareIn(p *pool) (int64, error) {
 	if err != nil {
 		return 0, status.Errorf(codes.Internal, "statfs of block pool %q: %v", p.zone, err)
 	}
-	promised := make([]int64, 0, len(commitments))
-	for _, cm := range commitments {
+	promised := make([]int64, 0, len(held)+1)
+	promised = append(promised, idle)
+	for _, cm := range held {
 		allocated, err := allocatedBytes(cm.image)
 		if err != nil {
 			return 0, status.Errorf(codes.Internal, "block pool %q: %v", p.zone, err)
@@ -411,18 +402,25 @@ func (c *Controller) completeVolume(ctx context.Context, m *imageInProgress, vol
 	if err := growAndSync(m.tmp, vol.CapacityBytes); err != nil {
 		return status.Errorf(codes.Internal, "sizing image of %s: %v", vol.ID, err)
 	}
+	// Each sync is a journal commit of the pool's filesystem, the largest
+	// part of a create's cost: the second one only where something wrote.
+	rewritten := false
 	if vol.Source != nil && vol.AccessType == accessmode.Mount {
 		if err := replayJournal(ctx, c.mounter, m.tmp); err != nil {
 			return status.Errorf(codes.Internal, "preparing the filesystem copied into %s: %v", vol.ID, err)
 		}
+		rewritten = true
 	}
 	if formatsAtCreate(vol.AccessType, modes, vol.Source) {
 		if err := mkfs(ctx, fsOrDefault(vol.FsType), m.tmp); err != nil {
 			return err
 		}
+		rewritten = true
 	}
-	if err := growAndSync(m.tmp, vol.CapacityBytes); err != nil { // a replay's or mkfs's writes, to disk
-		return status.Errorf(codes.Internal, "syncing image of %s: %v", vol.ID, err)
+	if rewritten {
+		if err := growAndSync(m.tmp, vol.CapacityBytes); err != nil { // a replay's or mkfs's writes, to disk
+			return status.Errorf(codes.Internal, "syncing image of %s: %v", vol.ID, err)
+		}
 	}
 	fpCreateImageWritten.Hit()
 	if err := m.publish(); err != nil {
@@ -435,7 +433,7 @@ func (c *Controller) completeVolume(ctx context.Context, m *imageInProgress, vol
 	}
 	fpCreateRecorded.Hit()
 	c.mu.Lock()
-	c.volumes[vol.ID] = vol
+	c.putVolume(vol)
 	c.mu.Unlock()
 	return nil
 }
@@ -564,7 +562,7 @@ func (c *Controller) deleteObject(id volumeid.ID, kind volumeid.Kind) error {
 	}
 	fpDeleteMetaRemoved.Hit()
 	c.mu.Lock()
-	delete(c.volumes, id.String())
+	c.dropVolume(id.String())
 	delete(c.snapshots, id.String())
 	c.mu.Unlock()
 	if err := fsutil.RemoveDurably(imagePath); err != nil {
@@ -610,7 +608,7 @@ func (c *Controller) updateVolume(ctx context.Context, id volumeid.ID, change fu
 	}
 	fpVolumeUpdated.Hit()
 	c.mu.Lock()
-	c.volumes[v.ID] = cloneVolume(v)
+	c.putVolume(cloneVolume(v))
 	c.mu.Unlock()
 	return v, nil
 }
@@ -627,6 +625,11 @@ func (c *Controller) ExpandVolume(ctx context.Context, id volumeid.ID, bytes int
 	if err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
 	}
+	// The promise of the growth is let go only once the index counts the
+	// new capacity: released inside the change, it would leave a moment
+	// in which the pool promised those bytes to no one.
+	release := func() {}
+	defer func() { release() }()
 	return c.updateVolume(ctx, id, func(v *backend.Volume) (bool, error) {
 		if bytes <= v.CapacityBytes {
 			return false, nil
@@ -643,11 +646,11 @@ func (c *Controller) ExpandVolume(ctx context.Context, id volumeid.ID, bytes int
 				"volume %s is a filesystem no node may write (%s): no node can ever grow it, so it stays at %d bytes; a clone of it into a larger writable volume grows at its first read/write stage",
 				id, accessmode.Names(v.Modes), v.CapacityBytes)
 		}
-		release, err := c.reserve(p, bytes-v.CapacityBytes, "growing volume "+v.Name)
-		if err != nil {
+		var err error
+		if release, err = c.reserve(p, bytes-v.CapacityBytes, "growing volume "+v.Name); err != nil {
+			release = func() {}
 			return false, err
 		}
-		defer release()
 		if err := growAndSync(imagePath, bytes); err != nil {
 			if errors.Is(err, os.ErrNotExist) {
 				return false, status.Errorf(codes.FailedPrecondition, "image of volume %s is missing", id)
@@ -670,6 +673,13 @@ func (c *Controller) ListVolumes(ctx context.Context) ([]*backend.Volume, error)
 	c.mu.Unlock()
 	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
 	return out, nil
+}
+
+// VolumesOn returns copies of the volumes node holds, sorted by id.
+func (c *Controller) VolumesOn(ctx context.Context, node string) ([]*backend.Volume, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.nodes.Volumes(node, func(id string) *backend.Volume { return cloneVolume(c.volumes[id]) }), nil
 }
 
 // VolumeHealth checks that the image is there and as large as recorded,

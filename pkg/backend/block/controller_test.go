@@ -164,8 +164,9 @@ func TestCapacityShrinksAsVolumesAreCreated(t *testing.T) {
 		t.Fatalf("capacity after a 64 MiB volume = %d, want about %d", afterCreate, before-64*mib)
 	}
 
-	// Writing into the volume moves space from "promised" to "used":
-	// what is left for new volumes does not change.
+	// A node writing into the volume it holds moves space from "promised"
+	// to "used": what is left for new volumes does not change.
+	f.attach(t, spec.ID, writer("n1"))
 	img, err := os.OpenFile(imageOf(t, f, spec.ID), os.O_WRONLY, 0)
 	if err != nil {
 		t.Fatal(err)

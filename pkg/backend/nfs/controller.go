@@ -126,6 +126,7 @@ type Controller struct {
 
 	mu        sync.Mutex
 	volumes   map[string]*volumeRecord // by id
+	nodes     backend.NodeIndex        // the volumes each node holds
 	snapshots map[string]*snapshotRecord
 	exportIDs map[uint16]string // export id -> volume id, including reservations
 	projects  map[uint32]string // project id -> volume or snapshot id, including reservations
@@ -239,7 +240,7 @@ func (c *Controller) load() error {
 			c.removals[rec.Volume.ID] = &removal{meta: c.dir("meta", "volumes", e.Name()), rel: c.volumeRel(id),
 				exportID: rec.ExportID, project: rec.ProjectID, bytes: rec.Volume.CapacityBytes}
 		} else {
-			c.volumes[rec.Volume.ID] = rec
+			c.putVolume(rec)
 		}
 		c.exportIDs[rec.ExportID] = rec.Volume.ID
 		c.projects[rec.ProjectID] = rec.Volume.ID
@@ -277,20 +278,20 @@ func (c *Controller) load() error {
 // file from the records, removing the export files of no record.
 func (c *Controller) prepareOffline(ctx context.Context) error {
 	keepExports := map[string]bool{}
+	objects := make(map[string]uint32, len(c.volumes)+len(c.snapshots))
 	for _, rec := range c.volumes {
 		id, _ := volumeid.Parse(rec.Volume.ID)
 		keepExports[id.FileName()+".conf"] = true
-		// The storage is mounted before ganesha may export its path:
-		// otherwise ganesha would serve the empty directory beneath.
-		if err := c.cfg.Storage.Restore(ctx, c.volumeRel(id), rec.ProjectID); err != nil {
-			return fmt.Errorf("nfs: restoring the storage of %s: %w", rec.Volume.ID, err)
-		}
+		objects[c.volumeRel(id)] = rec.ProjectID
 	}
 	for _, rec := range c.snapshots {
 		id, _ := volumeid.Parse(rec.Snapshot.ID)
-		if err := c.cfg.Storage.Restore(ctx, c.snapshotRel(id), rec.ProjectID); err != nil {
-			return fmt.Errorf("nfs: restoring the storage of %s: %w", rec.Snapshot.ID, err)
-		}
+		objects[c.snapshotRel(id)] = rec.ProjectID
+	}
+	// The storage is mounted before ganesha may export its path: otherwise
+	// ganesha would serve the empty directory beneath.
+	if err := c.cfg.Storage.Restore(ctx, objects); err != nil {
+		return fmt.Errorf("nfs: restoring the storage of the recorded volumes and snapshots: %w", err)
 	}
 	entries, err := os.ReadDir(c.cfg.ExportDir)
 	if err != nil {
@@ -644,7 +645,7 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 	}
 	fpCreateRecorded.Hit()
 	c.mu.Lock()
-	c.volumes[rec.Volume.ID] = rec
+	c.putVolume(rec)
 	c.mu.Unlock()
 	if err := c.applyExport(ctx, rec); err != nil {
 		// The record stands; a retried CreateVolume finds it, and the next
@@ -653,6 +654,32 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 	}
 	out := rec.Volume
 	return &out, nil
+}
+
+// putVolume makes rec the recorded state of its volume, in the node index
+// too. Called with c.mu held.
+func (c *Controller) putVolume(rec *volumeRecord) {
+	var before []accessmode.Attachment
+	if old, ok := c.volumes[rec.Volume.ID]; ok {
+		before = old.Volume.Attachments
+	}
+	c.volumes[rec.Volume.ID] = rec
+	c.nodes.Set(rec.Volume.ID, before, rec.Volume.Attachments)
+}
+
+// dropVolume forgets volume id and its attachments. Called with c.mu held.
+func (c *Controller) dropVolume(id string) {
+	if old, ok := c.volumes[id]; ok {
+		c.nodes.Set(id, old.Volume.Attachments, nil)
+		delete(c.volumes, id)
+	}
+}
+
+// VolumesOn returns the volumes node holds, sorted by id.
+func (c *Controller) VolumesOn(ctx context.Context, node string) ([]*backend.Volume, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.nodes.Volumes(node, func(id string) *backend.Volume { v := c.volumes[id].Volume; return &v }), nil
 }
 
 func (c *Controller) record(id volumeid.ID) (*volumeRecord, error) {
@@ -695,7 +722,7 @@ func (c *Controller) DeleteVolume(ctx context.Context, id volumeid.ID) error {
 	}
 	r := &removal{meta: c.volumeMeta(id), rel: c.volumeRel(id), exportID: rec.ExportID, project: rec.ProjectID, bytes: rec.Volume.CapacityBytes}
 	c.mu.Lock()
-	delete(c.volumes, id.String())
+	c.dropVolume(id.String())
 	c.removals[id.String()] = r
 	c.mu.Unlock()
 	return c.finishRemoval(ctx, id.String(), r)
@@ -783,7 +810,7 @@ func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachm
 		return nil, err
 	}
 	c.mu.Lock()
-	c.volumes[id.String()] = rec
+	c.putVolume(rec)
 	c.mu.Unlock()
 	out := rec.Volume
 	return &out, nil
@@ -811,7 +838,7 @@ func (c *Controller) ExpandVolume(ctx context.Context, id volumeid.ID, bytes int
 		return nil, status.Errorf(codes.Internal, "recording the size of %s: %v", id, err)
 	}
 	c.mu.Lock()
-	c.volumes[id.String()] = rec
+	c.putVolume(rec)
 	c.mu.Unlock()
 	out := rec.Volume
 	return &out, nil

@@ -39,13 +39,7 @@ func TestDeleteHoldsWhatUndeletedDataHolds_RecordingGanesha(t *testing.T) {
 			t.Fatal(err)
 		}
 		storage = nfs.NewImageStorage(store)
-		ctrl, err := nfs.NewController(ctx, nfs.Config{Storage: storage, ExportDir: exportDir, Server: "10.0.0.1"})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := ctrl.Start(ctx, &recordingGanesha{applied: map[uint16]string{}}); err != nil {
-			t.Fatal(err)
-		}
+		ctrl, _ := startedController(t, ctx, storage, exportDir)
 		return ctrl
 	}
 	ctrl := open()

@@ -23,6 +23,21 @@ import (
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
+// startedController opens an NFS controller over storage and starts it
+// against a recording ganesha, which it returns with it.
+func startedController(t *testing.T, ctx context.Context, storage nfs.Storage, exportDir string) (*nfs.Controller, *recordingGanesha) {
+	t.Helper()
+	ctrl, err := nfs.NewController(ctx, nfs.Config{Storage: storage, ExportDir: exportDir, Server: "10.0.0.1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := &recordingGanesha{applied: map[uint16]string{}}
+	if err := ctrl.Start(ctx, g); err != nil {
+		t.Fatal(err)
+	}
+	return ctrl, g
+}
+
 // recordingGanesha keeps the export file as it was each time ganesha was
 // told to apply it: what ganesha would have served.
 type recordingGanesha struct{ applied map[uint16]string }
@@ -88,14 +103,7 @@ func parseExport(t *testing.T, file string) servedExport {
 func TestExportsOpenOnlyToPublishedNodes(t *testing.T) {
 	ctx := context.Background()
 	root, exportDir := t.TempDir(), t.TempDir()
-	ctrl, err := nfs.NewController(ctx, nfs.Config{Storage: dirStorage{root}, ExportDir: exportDir, Server: "10.0.0.1"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	g := &recordingGanesha{applied: map[uint16]string{}}
-	if err := ctrl.Start(ctx, g); err != nil {
-		t.Fatal(err)
-	}
+	ctrl, g := startedController(t, ctx, dirStorage{root}, exportDir)
 	node := func(name, addr string) string {
 		return nodeid.Node{Name: name, Zone: "zone-a", Address: addr}.String()
 	}
@@ -264,13 +272,7 @@ func TestNFSRecordsArePrivate(t *testing.T) {
 	if err := os.Mkdir(root, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	ctrl, err := nfs.NewController(ctx, nfs.Config{Storage: dirStorage{root}, ExportDir: exportDir, Server: "10.0.0.1"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ctrl.Start(ctx, &recordingGanesha{applied: map[uint16]string{}}); err != nil {
-		t.Fatal(err)
-	}
+	ctrl, _ := startedController(t, ctx, dirStorage{root}, exportDir)
 	vid, _ := volumeid.New(accessmode.BackendNFS, "", volumeid.Volume, volumeid.KeyFor("test", volumeid.Volume, "v"))
 	if _, err := ctrl.CreateVolume(ctx, backend.VolumeSpec{ID: vid, Name: "v", CapacityBytes: 1 << 20,
 		AccessType: accessmode.Mount, Modes: []accessmode.Mode{accessmode.MultiNodeMultiWriter}}); err != nil {
@@ -326,4 +328,74 @@ func TestNFSRecordsArePrivate(t *testing.T) {
 	if !slices.Equal(files, want) {
 		t.Errorf("files walked %v, want %v", files, want)
 	}
+}
+
+// VolumesOn answers from an index kept with every change of attachments:
+// it must list exactly the volumes whose records name the node, through
+// publishes, unpublishes, a deletion and a restart that reloads the records.
+func TestVolumesOnFollowsTheRecords(t *testing.T) {
+	ctx := context.Background()
+	root, exportDir := t.TempDir(), t.TempDir()
+	open := func() *nfs.Controller {
+		t.Helper()
+		ctrl, _ := startedController(t, ctx, dirStorage{root}, exportDir)
+		return ctrl
+	}
+	ctrl := open()
+	att := func(name, addr string) accessmode.Attachment {
+		return accessmode.Attachment{NodeID: nodeid.Node{Name: name, Zone: "zone-a", Address: addr}.String(), Mode: accessmode.MultiNodeMultiWriter}
+	}
+	var ids []volumeid.ID
+	for _, name := range []string{"a", "b", "c"} {
+		id, err := volumeid.New(accessmode.BackendNFS, "", volumeid.Volume, volumeid.KeyFor("test", volumeid.Volume, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ctrl.CreateVolume(ctx, backend.VolumeSpec{ID: id, Name: name, CapacityBytes: 1 << 20,
+			AccessType: accessmode.Mount, Modes: []accessmode.Mode{accessmode.MultiNodeMultiWriter}}); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	set := func(id volumeid.ID, a ...accessmode.Attachment) {
+		t.Helper()
+		if _, err := ctrl.SetAttachments(ctx, id, a); err != nil {
+			t.Fatal(err)
+		}
+	}
+	check := func(step, node string, want ...volumeid.ID) {
+		t.Helper()
+		vols, err := ctrl.VolumesOn(ctx, node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got, wantIDs []string
+		for _, v := range vols {
+			got = append(got, v.ID)
+		}
+		for _, id := range want {
+			wantIDs = append(wantIDs, id.String())
+		}
+		slices.Sort(wantIDs)
+		if !slices.Equal(got, wantIDs) {
+			t.Errorf("%s: VolumesOn(%s) = %v, want %v", step, node, got, wantIDs)
+		}
+	}
+	set(ids[0], att("n1", "10.0.0.11"), att("n2", "10.0.0.12"))
+	set(ids[1], att("n1", "10.0.0.11"))
+	check("after publishes", "n1", ids[0], ids[1])
+	check("after publishes", "n2", ids[0])
+	check("after publishes", "n3")
+	set(ids[0], att("n2", "10.0.0.12"))
+	check("after n1 let go of a", "n1", ids[1])
+	set(ids[2], att("n1", "10.0.0.99")) // n1 under a new address is still n1
+	check("after a publish under a new address", "n1", ids[1], ids[2])
+	ctrl = open()
+	check("after a restart", "n1", ids[1], ids[2])
+	check("after a restart", "n2", ids[0])
+	set(ids[1])
+	if err := ctrl.DeleteVolume(ctx, ids[1]); err != nil {
+		t.Fatal(err)
+	}
+	check("after a deletion", "n1", ids[2])
 }

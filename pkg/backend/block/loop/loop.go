@@ -290,6 +290,13 @@ func Bound(image string) (current, stale []string, err error) {
 	if err != nil {
 		return nil, nil, err
 	}
+	return BoundAmong(all, image)
+}
+
+// BoundAmong is Bound over a list of the bound devices taken earlier (List),
+// for a caller that asks about many images and knows that the devices of
+// each can only have changed through its own work on that image.
+func BoundAmong(all []Attached, image string) (current, stale []string, err error) {
 	for _, a := range all {
 		named, err := NamedBy(a.Device, image)
 		if err != nil {

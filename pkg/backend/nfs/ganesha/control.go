@@ -239,19 +239,20 @@ func (c *Control) ApplyExport(ctx context.Context, confPath string, id uint16) e
 	if id == 0 {
 		return errors.New("ganesha: export id 0 is the pseudo root")
 	}
-	has, err := c.HasExport(ctx, id)
-	if err != nil {
+	// One DisplayExport answers both whether ganesha has the export and
+	// which directory it serves, at the same cost however many exports
+	// ganesha holds.
+	info, err := c.Export(ctx, id)
+	has := err == nil
+	if err != nil && !IsNotFound(err) {
 		return err
 	}
 	if has {
-		if want, ok := exportPathInFile(confPath); ok {
-			info, err := c.Export(ctx, id)
-			if err == nil && info.Path != want {
-				if err := c.RemoveExport(ctx, id); err != nil && !IsNotFound(err) {
-					return err
-				}
-				return c.AddExport(ctx, confPath, id)
+		if want, ok := exportPathInFile(confPath); ok && info.Path != want {
+			if err := c.RemoveExport(ctx, id); err != nil && !IsNotFound(err) {
+				return err
 			}
+			return c.AddExport(ctx, confPath, id)
 		}
 	}
 	first, second := c.AddExport, c.UpdateExport
@@ -299,14 +300,14 @@ func (c *Control) ExportIDs(ctx context.Context) ([]uint16, error) {
 	return ids, nil
 }
 
-// HasExport reports whether ganesha serves export id.
+// HasExport reports whether ganesha serves export id: one DisplayExport,
+// whatever the number of exports.
 func (c *Control) HasExport(ctx context.Context, id uint16) (bool, error) {
-	ids, err := c.ExportIDs(ctx)
-	if err != nil {
-		return false, err
+	_, err := c.Export(ctx, id)
+	if IsNotFound(err) {
+		return false, nil
 	}
-	_, found := slices.BinarySearch(ids, id)
-	return found, nil
+	return err == nil, err
 }
 
 // Ping succeeds when ganesha answers on the bus.

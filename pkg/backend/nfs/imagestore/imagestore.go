@@ -487,17 +487,37 @@ func pristine(dir string) bool {
 // and reports whether it mounted it now. A loop device already bound to
 // the image is reused; an image mounted there already is left as it is.
 func (s *Store) mount(ctx context.Context, rel string) (bool, error) {
+	mounts, devs, err := machine()
+	if err != nil {
+		return false, err
+	}
+	return s.mountSeeing(ctx, rel, mounts, devs)
+}
+
+// machine reads the mount table and the bound loop devices.
+func machine() ([]*mtab.Mount, []loop.Attached, error) {
+	mounts, err := mtab.All()
+	if err != nil {
+		return nil, nil, err
+	}
+	devs, err := loop.List()
+	if err != nil {
+		return nil, nil, fmt.Errorf("imagestore: listing loop devices: %w", err)
+	}
+	return mounts, devs, nil
+}
+
+// mountSeeing is mount with the mount table and the bound loop devices as
+// read before: current for what concerns rel's own mount point and image,
+// however many other objects were mounted since (see RestoreAll).
+func (s *Store) mountSeeing(ctx context.Context, rel string, mounts []*mtab.Mount, devs []loop.Attached) (bool, error) {
 	image, mnt := s.imagePath(rel), s.mountPath(rel)
 	if err := s.makeMountPoint(rel); err != nil {
 		return false, err
 	}
-	mounts, err := mtab.All()
+	current, stale, err := loop.BoundAmong(devs, image)
 	if err != nil {
-		return false, err
-	}
-	current, stale, err := bound(image)
-	if err != nil {
-		return false, err
+		return false, fmt.Errorf("imagestore: %w", err)
 	}
 	if top := mtab.TopAt(mounts, mnt); top != nil {
 		if slices.Contains(current, top.Source) {
@@ -567,18 +587,29 @@ func (s *Store) mount(ctx context.Context, rel string) (bool, error) {
 		undoAttach()
 		return false, fmt.Errorf("imagestore: mount -t xfs -o nodev,nosuid,%s %s %s: %w (the kernel log, dmesg, tells why)", mountOptions, dev, mnt, err)
 	}
-	mounts, err = mtab.All()
-	if err == nil {
-		if top := mtab.TopAt(mounts, mnt); top == nil || top.Source != dev {
-			err = fmt.Errorf("imagestore: %s is not mounted from %s right after mounting it", mnt, dev)
-		}
-	}
-	if err != nil {
+	if err := mountedFrom(mnt, dev); err != nil {
 		_ = unix.Unmount(mnt, unix.UMOUNT_NOFOLLOW)
 		undoAttach()
 		return false, err
 	}
 	return true, nil
+}
+
+// mountedFrom checks that the filesystem at mnt is the one on dev: a
+// filesystem on a block device reports that device's number as its own, so
+// two stats answer what a read of the whole mount table would.
+func mountedFrom(mnt, dev string) error {
+	var m, d unix.Stat_t
+	if err := unix.Stat(mnt, &m); err != nil {
+		return fmt.Errorf("imagestore: %w", err)
+	}
+	if err := unix.Stat(dev, &d); err != nil {
+		return fmt.Errorf("imagestore: %w", err)
+	}
+	if m.Dev != d.Rdev {
+		return fmt.Errorf("imagestore: %s is not mounted from %s right after mounting it", mnt, dev)
+	}
+	return nil
 }
 
 // unmountAll unmounts what is mounted at mnt, topmost first, as long as
@@ -955,6 +986,50 @@ func (s *Store) Restore(ctx context.Context, rel string) error {
 		return err
 	}
 	defer unlock()
+	mounts, devs, err := machine()
+	if err != nil {
+		return err
+	}
+	return s.restore(ctx, rel, mounts, devs)
+}
+
+// RestoreAll restores every rel as Restore does, reading the mount table
+// and the loop devices once for all of them instead of once for each: a
+// start with a thousand objects would otherwise read a thousand entries a
+// thousand times. One reading serves the whole batch because each rel has
+// its own image and a mount point no other rel's lies in, so restoring one
+// changes nothing another consults; the batch holds off every other call.
+func (s *Store) RestoreAll(ctx context.Context, rels []string) error {
+	seen := make(map[string]bool, len(rels))
+	for _, rel := range rels {
+		if err := checkRel(rel); err != nil {
+			return err
+		}
+		if seen[rel] {
+			return fmt.Errorf("imagestore: %s is to be restored twice", rel)
+		}
+		seen[rel] = true
+	}
+	s.all.Lock()
+	defer s.all.Unlock()
+	mounts, devs, err := machine()
+	if err != nil {
+		return err
+	}
+	for _, rel := range rels {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if err := s.restore(ctx, rel, mounts, devs); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// restore is Restore of one rel, with the mount table and loop devices as
+// read before (see mountSeeing).
+func (s *Store) restore(ctx context.Context, rel string, mounts []*mtab.Mount, devs []loop.Attached) error {
 	image, mnt := s.imagePath(rel), s.mountPath(rel)
 	st, err := os.Lstat(image)
 	if err != nil {
@@ -963,7 +1038,7 @@ func (s *Store) Restore(ctx context.Context, rel string) error {
 	if !st.Mode().IsRegular() {
 		return fmt.Errorf("imagestore: %s is not a regular file", image)
 	}
-	mountedNow, err := s.mount(ctx, rel)
+	mountedNow, err := s.mountSeeing(ctx, rel, mounts, devs)
 	if err != nil {
 		return err
 	}

@@ -825,6 +825,76 @@ func TestRestore(t *testing.T) {
 	}
 }
 
+// RestoreAll reads the machine once for a whole batch; every object must
+// still end up as Restore would leave it, whatever state a stop or a crash
+// left it in: still mounted, released, unmounted with its loop device still
+// bound, or frozen by a copy that never ended.
+func TestRestoreAll(t *testing.T) {
+	s := newStore(t)
+	ctx := context.Background()
+	rels := []string{"volumes/mounted", "volumes/released", "volumes/bound", "volumes/frozen"}
+	for _, rel := range rels {
+		if err := s.Create(ctx, rel, 300*MiB); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(s.mountPath(rel), "marker"), []byte(rel), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stillMounted := checkMounted(t, s, rels[0])
+	if err := unix.Unmount(s.mountPath(rels[1]), 0); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range devicesOf(t, s.imagePath(rels[1])) {
+		if err := detach(ctx, d, s.imagePath(rels[1])); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := unix.Unmount(s.mountPath(rels[2]), 0); err != nil {
+		t.Fatal(err)
+	}
+	leftBound := devicesOf(t, s.imagePath(rels[2]))
+	if err := freeze(s.mountPath(rels[3])); err != nil {
+		t.Fatal(err)
+	}
+
+	s2, err := Open(ctx, s.Root()) // a restart
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s2.RestoreAll(ctx, rels); err != nil {
+		t.Fatalf("RestoreAll: %v", err)
+	}
+	for _, rel := range rels {
+		checkMounted(t, s, rel)
+		if b, err := os.ReadFile(filepath.Join(s.mountPath(rel), "marker")); err != nil || string(b) != rel {
+			t.Errorf("%s after RestoreAll: %q %v", rel, b, err)
+		}
+	}
+	if m := checkMounted(t, s, rels[0]); m.ID != stillMounted.ID {
+		t.Errorf("RestoreAll remounted %s, which was mounted", rels[0])
+	}
+	if m := checkMounted(t, s, rels[2]); len(leftBound) != 1 || m.Source != leftBound[0] {
+		t.Errorf("RestoreAll mounted %s from %s instead of reusing the device left bound to it (%v)", rels[2], m.Source, leftBound)
+	}
+	checkWritable(t, filepath.Join(s.mountPath(rels[3]), "after-thaw"))
+
+	// Bad batches are refused before anything is done.
+	if err := s2.RestoreAll(ctx, []string{rels[0], rels[0]}); err == nil {
+		t.Error("RestoreAll of a rel twice succeeded")
+	}
+	if err := s2.RestoreAll(ctx, []string{"../escape"}); err == nil {
+		t.Error("RestoreAll of an invalid rel succeeded")
+	}
+	// A missing image is an error, and nothing is made for it.
+	if err := s2.RestoreAll(ctx, []string{rels[0], "volumes/missing"}); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("RestoreAll with a missing image: %v", err)
+	}
+	if _, err := os.Lstat(s.mountPath("volumes/missing")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("RestoreAll of a missing image made its mount point: %v", err)
+	}
+}
+
 // The mount point of an unmounted volume must not collect data that would
 // then be hidden under the mount.
 func TestRestoreRefusesNonEmptyMountPoint(t *testing.T) {
