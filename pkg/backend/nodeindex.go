@@ -60,6 +60,3 @@ func (x *NodeIndex) Volumes(node string, get func(id string) *Volume) []*Volume 
 	}
 	return out
 }
-
-// Count is how many volumes node key holds.
-func (x *NodeIndex) Count(node string) int { return len(x.byNode[node]) }

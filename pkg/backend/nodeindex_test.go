@@ -57,9 +57,6 @@ func TestNodeIndexFollowsAttachments(t *testing.T) {
 				if got := x.On(node); !slices.Equal(got, want) {
 					t.Errorf("On(%q) = %v, want %v", node, got, want)
 				}
-				if got := x.Count(node); got != len(want) {
-					t.Errorf("Count(%q) = %d, want %d", node, got, len(want))
-				}
 			}
 			if x.byNode != nil {
 				for node, ids := range x.byNode {

@@ -27,13 +27,13 @@ import (
 
 // usage is the promise bookkeeping of one controller, under its mu.
 type usage struct {
-	idleTotal map[string]int64            // zone -> sum of idle shares
-	idleShare map[string]int64            // volume id -> its share in idleTotal
-	held      map[string]map[string]int64 // zone -> held volume id -> capacity
+	idleTotal map[string]int64               // zone -> sum of idle shares
+	idleShare map[string]int64               // volume id -> its share in idleTotal
+	held      map[string]map[string]struct{} // zone -> ids of the volumes a node holds
 }
 
 func newUsage() usage {
-	return usage{idleTotal: map[string]int64{}, idleShare: map[string]int64{}, held: map[string]map[string]int64{}}
+	return usage{idleTotal: map[string]int64{}, idleShare: map[string]int64{}, held: map[string]map[string]struct{}{}}
 }
 
 // track counts v as it is now; untrack must have removed what it was.
@@ -45,9 +45,9 @@ func (c *Controller) track(v *backend.Volume) {
 	}
 	if len(v.Attachments) > 0 {
 		if c.usage.held[id.Zone] == nil {
-			c.usage.held[id.Zone] = map[string]int64{}
+			c.usage.held[id.Zone] = map[string]struct{}{}
 		}
-		c.usage.held[id.Zone][v.ID] = v.CapacityBytes
+		c.usage.held[id.Zone][v.ID] = struct{}{}
 		return
 	}
 	share := v.CapacityBytes // what an image that cannot be read may still take: all of it
@@ -109,13 +109,13 @@ func (c *Controller) dropVolume(raw string) {
 func (c *Controller) promised(p *pool) (idle int64, held []commitment) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	for raw, capacity := range c.usage.held[p.zone] {
+	for raw := range c.usage.held[p.zone] {
 		id, err := volumeid.Parse(raw)
 		if err != nil {
 			continue
 		}
 		if image, err := p.imagePath(id); err == nil {
-			held = append(held, commitment{image: image, capacity: capacity})
+			held = append(held, commitment{image: image, capacity: c.volumes[raw].CapacityBytes})
 		}
 	}
 	return c.usage.idleTotal[p.zone], held

@@ -37,7 +37,7 @@ func (d dirStorage) Remove(_ context.Context, rel string, _ uint32) error {
 func (d dirStorage) Usage(context.Context, string, uint32) (int64, int64, error) { return 0, 0, nil }
 func (d dirStorage) Free() (int64, error)                                        { return 1 << 30, nil }
 func (d dirStorage) Size() (int64, error)                                        { return 2 << 30, nil }
-func (d dirStorage) Restore(context.Context, map[string]uint32) error            { return nil }
+func (d dirStorage) Restore(context.Context, []string) error                     { return nil }
 func (d dirStorage) Prune(context.Context, map[string]bool) ([]string, error)    { return nil, nil }
 func (d dirStorage) Release() error                                              { return nil }
 func (d dirStorage) CopiesAtOnePoint() bool                                      { return true }

@@ -278,19 +278,20 @@ func (c *Controller) load() error {
 // file from the records, removing the export files of no record.
 func (c *Controller) prepareOffline(ctx context.Context) error {
 	keepExports := map[string]bool{}
-	objects := make(map[string]uint32, len(c.volumes)+len(c.snapshots))
+	rels := make([]string, 0, len(c.volumes)+len(c.snapshots))
 	for _, rec := range c.volumes {
 		id, _ := volumeid.Parse(rec.Volume.ID)
 		keepExports[id.FileName()+".conf"] = true
-		objects[c.volumeRel(id)] = rec.ProjectID
+		rels = append(rels, c.volumeRel(id))
 	}
 	for _, rec := range c.snapshots {
 		id, _ := volumeid.Parse(rec.Snapshot.ID)
-		objects[c.snapshotRel(id)] = rec.ProjectID
+		rels = append(rels, c.snapshotRel(id))
 	}
+	sort.Strings(rels) // the same order at every start
 	// The storage is mounted before ganesha may export its path: otherwise
 	// ganesha would serve the empty directory beneath.
-	if err := c.cfg.Storage.Restore(ctx, objects); err != nil {
+	if err := c.cfg.Storage.Restore(ctx, rels); err != nil {
 		return fmt.Errorf("nfs: restoring the storage of the recorded volumes and snapshots: %w", err)
 	}
 	entries, err := os.ReadDir(c.cfg.ExportDir)

@@ -2,10 +2,8 @@ package nfs
 
 import (
 	"context"
-	"maps"
 	"os"
 	"path/filepath"
-	"slices"
 
 	"github.com/modeguard/modeguard/pkg/backend/nfs/imagestore"
 	"github.com/modeguard/modeguard/pkg/backend/nfs/projquota"
@@ -37,10 +35,10 @@ type Storage interface {
 	// Free and Size are the backing filesystem's available and total bytes.
 	Free() (int64, error)
 	Size() (int64, error)
-	// Restore makes the recorded objects (rel -> project) usable after a
-	// restart, all in one call: what it must learn of the machine to do so
-	// it learns once, not once per object.
-	Restore(ctx context.Context, objects map[string]uint32) error
+	// Restore makes the recorded objects usable after a restart, all in
+	// one call: what it must learn of the machine to do so it learns once,
+	// not once per object.
+	Restore(ctx context.Context, rels []string) error
 	// Prune removes every object whose rel is not in keep.
 	Prune(ctx context.Context, keep map[string]bool) ([]string, error)
 	// Release lets go of what the storage holds (mounts, loop devices).
@@ -84,8 +82,8 @@ func (q *quotaStorage) Size() (int64, error) { return q.pool.Size() }
 
 // Restore has nothing to mount: the pool is one filesystem, mounted by
 // Prepare. It checks that every object's directory is there.
-func (q *quotaStorage) Restore(ctx context.Context, objects map[string]uint32) error {
-	for rel := range objects {
+func (q *quotaStorage) Restore(ctx context.Context, rels []string) error {
+	for _, rel := range rels {
 		if _, err := os.Stat(filepath.Join(q.pool.Root(), rel)); err != nil {
 			return err
 		}
@@ -153,8 +151,8 @@ func (i *imageStorage) Usage(ctx context.Context, rel string, _ uint32) (int64, 
 }
 func (i *imageStorage) Free() (int64, error) { return i.store.Free() }
 func (i *imageStorage) Size() (int64, error) { return i.store.Size() }
-func (i *imageStorage) Restore(ctx context.Context, objects map[string]uint32) error {
-	return i.store.RestoreAll(ctx, slices.Sorted(maps.Keys(objects)))
+func (i *imageStorage) Restore(ctx context.Context, rels []string) error {
+	return i.store.RestoreAll(ctx, rels)
 }
 func (i *imageStorage) Prune(ctx context.Context, keep map[string]bool) ([]string, error) {
 	return i.store.Prune(ctx, keep)
