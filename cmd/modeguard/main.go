@@ -126,7 +126,9 @@ func parseFlags(args []string) (*options, error) {
 	o.nfs.PoolImageSize = 100 << 30
 	fs.Var(byteSize{&o.nfs.PoolImageSize}, "nfs-pool-size", "controller: size of the sparse pool image made under --nfs-export-root when it is not a prjquota xfs mount (e.g. 100Gi)")
 	fs.StringVar(&o.nfs.Storage, "nfs-storage", "auto",
-		"controller: how NFS volume sizes are limited: quota (xfs project quotas), images (one loop-mounted xfs image per volume, 300 MiB minimum), auto (quota where the kernel's xfs supports it)")
+		"controller: how NFS volume sizes are limited: quota (xfs project quotas), images (one loop-mounted image per volume), auto (quota where the kernel's xfs supports it)")
+	fs.StringVar(&o.nfs.ImageFilesystem, "nfs-image-filesystem", "xfs",
+		"controller: what the image storage formats new NFS volumes with: xfs (300 MiB minimum, grows without CAP_SYS_RESOURCE) or ext4 (16 MiB minimum, a few hundred KiB written per volume; growing needs CAP_SYS_RESOURCE); existing volumes keep theirs")
 	fs.StringVar(&o.nfs.Server, "nfs-server", "", "controller: the IP address nodes mount NFS exports from")
 	fs.IntVar(&o.nfs.Port, "nfs-port", 2049, "controller: the NFS port ganesha serves")
 	fs.StringVar(&o.nfs.ListenAddress, "nfs-listen-address", "", "controller: the address the driver's own ganesha binds to (default: every address)")

@@ -31,6 +31,29 @@ func nfsCapability(mode accessmode.Mode) *csi.VolumeCapability {
 	}
 }
 
+// startNFSControllerIn starts a controller with the NFS backend, its data
+// and its ganesha's files under work, and stops it at the end of the test,
+// failing it for every mount left under work.
+func startNFSControllerIn(ctx context.Context, t *testing.T, bin string, net *ganeshatest.Network, work string, args ...string) (ctrl *testenv.Controller, gdir string) {
+	t.Helper()
+	gdir = filepath.Join(work, "ganesha")
+	ctrl = testenv.NewController(t, bin, net.Server.Path, work, append([]string{"--roles", "controller", "-v", "2",
+		"--nfs-export-root", filepath.Join(work, "nfs"),
+		"--nfs-server", net.Server.Addr.String(), "--nfs-ganesha-dir", gdir}, args...)...)
+	ctrl.Start(ctx)
+	t.Cleanup(func() {
+		ctrl.Stop()
+		for _, m := range localcluster.MountsUnder(work) {
+			t.Errorf("leftover mount %s after the controller stopped", m)
+		}
+		testenv.CleanupUnder(t, work)
+		if t.Failed() {
+			t.Logf("controller log:\n%s", testenv.ReadFile(ctrl.Log))
+		}
+	})
+	return ctrl, gdir
+}
+
 // TestNFSExportsFollowPublishes checks, with the real ganesha and real NFS
 // clients in node namespaces, that an export is open to exactly the nodes
 // its volume is published to, as the access mode says.
@@ -43,21 +66,7 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 
-	gdir := filepath.Join(work, "ganesha")
-	ctrl := testenv.NewController(t, bin, net.Server.Path, work, "--roles", "controller", "-v", "2",
-		"--nfs-export-root", filepath.Join(work, "nfs"), "--nfs-pool-size", "1Gi",
-		"--nfs-server", net.Server.Addr.String(), "--nfs-ganesha-dir", gdir)
-	ctrl.Start(ctx)
-	t.Cleanup(func() {
-		ctrl.Stop()
-		for _, m := range localcluster.MountsUnder(work) {
-			t.Errorf("leftover mount %s after the controller stopped", m)
-		}
-		testenv.CleanupUnder(t, work)
-		if t.Failed() {
-			t.Logf("controller log:\n%s", testenv.ReadFile(ctrl.Log))
-		}
-	})
+	ctrl, gdir := startNFSControllerIn(ctx, t, bin, net, work, "--nfs-pool-size", "1Gi")
 
 	n1, n2 := net.Nodes[0], net.Nodes[1]
 	nodeID := func(i int) string {
@@ -309,6 +318,33 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 		deleteVol(t, kept)
 	})
 
+	t.Run("a volume published nowhere at a restart is served again at its next publish", func(t *testing.T) {
+		idle := create(t, "idle-at-restart", accessmode.SingleNodeMultiWriter, 16<<20, nil)
+		wantCode(t, "publish idle to node-1", publish(idle, accessmode.SingleNodeMultiWriter, 0, false), codes.OK)
+		mustWrite(t, n1, idle, "f")
+		unpublish(t, idle, 0)
+
+		ctrl.Stop() // graceful: the image storage unmounts every image
+		ctrl.Start(ctx)
+		testenv.WaitGraceEnded(ctx, t, gdir)
+		// Not published: neither exported nor (image storage) mounted.
+		for _, m := range localcluster.MountsUnder(work) {
+			if strings.HasSuffix(m, "/"+strings.TrimPrefix(share(idle), "/")) {
+				t.Errorf("%s is mounted after a restart although no node holds it", m)
+			}
+		}
+		if _, err := os.Stat(filepath.Join(gdir, "exports", strings.TrimPrefix(share(idle), "/")+".conf")); !os.IsNotExist(err) {
+			t.Errorf("the export file of a volume no node holds is there after a restart: %v", err)
+		}
+		mustNotRead(t, n2, idle, "f")
+		wantCode(t, "publish idle to node-2", publish(idle, accessmode.SingleNodeMultiWriter, 1, false), codes.OK)
+		mustRead(t, n2, idle, "f")
+		mustWrite(t, n2, idle, "g")
+		mustNotRead(t, n1, idle, "f")
+		unpublish(t, idle, 1)
+		deleteVol(t, idle)
+	})
+
 	t.Run("controller, ganesha and its bus killed together restore every export", func(t *testing.T) {
 		vol := create(t, "together", accessmode.SingleNodeMultiWriter, 16<<20, nil)
 		wantCode(t, "publish to node-2", publish(vol, accessmode.SingleNodeMultiWriter, 1, false), codes.OK)
@@ -331,4 +367,85 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 		unpublish(t, vol, 1)
 		deleteVol(t, vol)
 	})
+}
+
+// TestNFSExt4ImageVolumes serves volumes of ext4 images through the real
+// ganesha to a real client: written, snapshotted into a new volume, served
+// again after a restart that mounted neither until their publish.
+func TestNFSExt4ImageVolumes(t *testing.T) {
+	testenv.RequireRoot(t)
+	ganeshatest.RequireCommands(t, "ganesha.nfsd", "dbus-daemon", "nfs-cp", "nfs-cat", "nsenter", "mkfs.ext4")
+	net := ganeshatest.Setup(t, ganeshatest.Options{Nodes: 1, Prefix: "mge"})
+	bin := testenv.BuildBinary(t)
+	work := t.TempDir()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	ctrl, gdir := startNFSControllerIn(ctx, t, bin, net, work, "--nfs-storage", "images", "--nfs-image-filesystem", "ext4")
+	node := nodeid.Node{Name: "node-1", Zone: "zone-a", Address: net.Nodes[0].Addr.String()}.String()
+	mode := accessmode.SingleNodeMultiWriter
+	payload := filepath.Join(work, "payload")
+	if err := os.WriteFile(payload, []byte("on ext4"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	create := func(name string, src *csi.VolumeContentSource) *csi.Volume {
+		t.Helper()
+		resp, err := ctrl.CSI.CreateVolume(ctx, &csi.CreateVolumeRequest{
+			Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20},
+			VolumeCapabilities: []*csi.VolumeCapability{nfsCapability(mode)},
+			Parameters:         map[string]string{"backend": "nfs"}, VolumeContentSource: src,
+		})
+		if err != nil {
+			t.Fatalf("CreateVolume %s: %v", name, err)
+		}
+		return resp.GetVolume()
+	}
+	publish := func(vol *csi.Volume) {
+		t.Helper()
+		if _, err := ctrl.CSI.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
+			VolumeId: vol.GetVolumeId(), NodeId: node, VolumeCapability: nfsCapability(mode)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	url := func(vol *csi.Volume, file string) string {
+		return net.NFSURL(vol.GetVolumeContext()[nfs.ContextShare], file)
+	}
+	read := func(vol *csi.Volume, file string) {
+		t.Helper()
+		if got, err := net.Nodes[0].NFSCat(ctx, url(vol, file)); err != nil || string(got) != "on ext4" {
+			t.Fatalf("reading %s of %s: %q, %v", file, vol.GetVolumeId(), got, err)
+		}
+	}
+
+	vol := create("ext4-vol", nil)
+	if vol.GetCapacityBytes() != 16<<20 {
+		t.Errorf("capacity %d, want the 16 MiB asked for (the ext4 minimum)", vol.GetCapacityBytes())
+	}
+	publish(vol)
+	if err := net.Nodes[0].NFSCopy(ctx, payload, url(vol, "f")); err != nil {
+		t.Fatal(err)
+	}
+	snap, err := ctrl.CSI.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "ext4-snap", SourceVolumeId: vol.GetVolumeId()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	restored := create("ext4-restored", &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+		Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snap.GetSnapshot().GetSnapshotId()}}})
+
+	ctrl.Stop()
+	ctrl.Start(ctx)
+	testenv.WaitGraceEnded(ctx, t, gdir)
+	read(vol, "f")
+	publish(restored)
+	read(restored, "f")
+	for _, v := range []*csi.Volume{vol, restored} {
+		if _, err := ctrl.CSI.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: node}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ctrl.CSI.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := ctrl.CSI.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: snap.GetSnapshot().GetSnapshotId()}); err != nil {
+		t.Fatal(err)
+	}
 }

@@ -38,6 +38,7 @@ func (d dirStorage) Usage(context.Context, string, uint32) (int64, int64, error)
 func (d dirStorage) Free() (int64, error)                                        { return 1 << 30, nil }
 func (d dirStorage) Size() (int64, error)                                        { return 2 << 30, nil }
 func (d dirStorage) Restore(context.Context, []string) error                     { return nil }
+func (d dirStorage) Ensure(context.Context, string) error                        { return nil }
 func (d dirStorage) Prune(context.Context, map[string]bool) ([]string, error)    { return nil, nil }
 func (d dirStorage) Release() error                                              { return nil }
 func (d dirStorage) CopiesAtOnePoint() bool                                      { return true }

@@ -131,6 +131,12 @@ type Controller struct {
 	exportIDs map[uint16]string // export id -> volume id, including reservations
 	projects  map[uint32]string // project id -> volume or snapshot id, including reservations
 	committed int64             // bytes promised to volumes and snapshots
+	// ready are the volumes whose storage this run has made usable:
+	// restored at start, created, or made usable at their first export.
+	// A volume published to no node at start is left out until something
+	// needs it (see servedAtStart), so a start costs what the attached
+	// volumes cost, not what all of them do.
+	ready map[string]bool
 	// removals are deletions whose data is not gone yet, by id. Their
 	// export ids, project ids and bytes stay in the maps above meanwhile.
 	removals map[string]*removal
@@ -138,9 +144,9 @@ type Controller struct {
 
 var _ backend.Controller = (*Controller)(nil)
 
-// NewController loads every record, makes the recorded storage usable and
-// renders every export file from the records, removing export files no
-// record names. It tells no ganesha anything: this is what must be on disk
+// NewController loads every record, makes the storage of the volumes
+// published to some node usable and renders their export files from the
+// records, removing every other export file (see servedAtStart). It tells no ganesha anything: this is what must be on disk
 // before ganesha starts, so that it comes up serving exactly the recorded
 // exports. Start completes the work once ganesha runs.
 func NewController(ctx context.Context, cfg Config) (*Controller, error) {
@@ -154,7 +160,8 @@ func NewController(ctx context.Context, cfg Config) (*Controller, error) {
 		cfg.Port = 2049
 	}
 	c := &Controller{cfg: cfg, volumes: map[string]*volumeRecord{}, snapshots: map[string]*snapshotRecord{},
-		exportIDs: map[uint16]string{}, projects: map[uint32]string{}, removals: map[string]*removal{}}
+		exportIDs: map[uint16]string{}, projects: map[uint32]string{}, removals: map[string]*removal{},
+		ready: map[string]bool{}}
 	for _, d := range []string{c.dir("volumes"), c.dir("snapshots"), c.dir("meta", "volumes"), c.dir("meta", "snapshots"), cfg.ExportDir} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, err
@@ -175,9 +182,9 @@ func NewController(ctx context.Context, cfg Config) (*Controller, error) {
 }
 
 // Start connects the controller to a running ganesha: it drops every export
-// no record names, removes storage no record accounts for (only now, when no
-// stale export holds it busy), and makes ganesha serve every recorded export
-// with its recorded clients.
+// no published volume accounts for, removes storage no record accounts for
+// (only now, when no stale export holds it busy), and makes ganesha serve
+// the export of every published volume with its recorded clients.
 func (c *Controller) Start(ctx context.Context, exporter Exporter) error {
 	c.exporter = exporter
 	return c.reconcileOnline(ctx)
@@ -274,25 +281,33 @@ func (c *Controller) load() error {
 	return nil
 }
 
-// prepareOffline restores the recorded storage and renders every export
-// file from the records, removing the export files of no record.
+// servedAtStart reports whether a start serves the volume at once: one
+// published to some node must be, because the node may be using it right
+// now. Any other volume waits for its first publish, which mounts its
+// storage and exports it then: with the image storage each served volume
+// costs a loop device and a mount, and only published ones need them.
+func servedAtStart(rec *volumeRecord) bool { return len(rec.Volume.Attachments) > 0 }
+
+// prepareOffline restores the storage of the volumes served at start and
+// renders their export files, removing every other export file: a file
+// left for a volume whose storage is not mounted would have ganesha serve
+// the empty directory beneath.
 func (c *Controller) prepareOffline(ctx context.Context) error {
 	keepExports := map[string]bool{}
-	rels := make([]string, 0, len(c.volumes)+len(c.snapshots))
+	var rels []string
 	for _, rec := range c.volumes {
+		if !servedAtStart(rec) {
+			continue
+		}
 		id, _ := volumeid.Parse(rec.Volume.ID)
 		keepExports[id.FileName()+".conf"] = true
 		rels = append(rels, c.volumeRel(id))
-	}
-	for _, rec := range c.snapshots {
-		id, _ := volumeid.Parse(rec.Snapshot.ID)
-		rels = append(rels, c.snapshotRel(id))
 	}
 	sort.Strings(rels) // the same order at every start
 	// The storage is mounted before ganesha may export its path: otherwise
 	// ganesha would serve the empty directory beneath.
 	if err := c.cfg.Storage.Restore(ctx, rels); err != nil {
-		return fmt.Errorf("nfs: restoring the storage of the recorded volumes and snapshots: %w", err)
+		return fmt.Errorf("nfs: restoring the storage of the published volumes: %w", err)
 	}
 	entries, err := os.ReadDir(c.cfg.ExportDir)
 	if err != nil {
@@ -302,15 +317,19 @@ func (c *Controller) prepareOffline(ctx context.Context) error {
 		if keepExports[e.Name()] {
 			continue
 		}
-		klog.InfoS("Removing an export file no volume record accounts for", "file", e.Name())
+		klog.V(2).InfoS("Removing an export file no published volume accounts for", "file", e.Name())
 		if err := os.Remove(filepath.Join(c.cfg.ExportDir, e.Name())); err != nil {
 			return err
 		}
 	}
 	for _, rec := range c.volumes {
+		if !servedAtStart(rec) {
+			continue
+		}
 		if err := c.writeExportFile(rec); err != nil {
 			return err
 		}
+		c.ready[rec.Volume.ID] = true
 	}
 	return nil
 }
@@ -322,14 +341,22 @@ func (c *Controller) reconcileOnline(ctx context.Context) error {
 		c.controlFailed(OpExports)
 		return fmt.Errorf("nfs: listing ganesha's exports: %w", err)
 	}
+	keepServed := map[uint16]bool{}
+	for _, rec := range c.volumes {
+		if servedAtStart(rec) {
+			keepServed[rec.ExportID] = true
+		}
+	}
 	for _, ex := range served {
 		if ex.ID == 0 {
 			continue // the pseudo root
 		}
-		if _, ours := c.exportIDs[ex.ID]; ours {
+		if keepServed[ex.ID] {
 			continue
 		}
-		klog.InfoS("Removing a stale export from ganesha", "exportID", ex.ID, "path", ex.Path)
+		// An export of no record, or of a volume published nowhere, which
+		// a ganesha that outlived the controller still serves.
+		klog.InfoS("Removing an export no published volume accounts for from ganesha", "exportID", ex.ID, "path", ex.Path)
 		if err := c.exporter.RemoveExport(ctx, ex.ID); err != nil && !ganesha.IsNotFound(err) {
 			c.controlFailed(OpRemoveExport)
 			return fmt.Errorf("nfs: removing stale export %d: %w", ex.ID, err)
@@ -359,6 +386,9 @@ func (c *Controller) reconcileOnline(ctx context.Context) error {
 		}
 	}
 	for _, rec := range c.volumes {
+		if !servedAtStart(rec) {
+			continue
+		}
 		if err := c.applyExport(ctx, rec); err != nil {
 			return err
 		}
@@ -419,13 +449,24 @@ var (
 	fpDeleteRecordRemoved = faultpoint.New("nfs.delete.record-removed")
 )
 
-// applyExport writes the volume's export file and tells ganesha.
+// applyExport writes the volume's export file and tells ganesha. A volume
+// this run has not served yet gets its storage made usable first (mounted,
+// for the image storage): the export must never reach ganesha before what
+// it exports is there.
 func (c *Controller) applyExport(ctx context.Context, rec *volumeRecord) error {
+	id, _ := volumeid.Parse(rec.Volume.ID)
+	if !c.isReady(rec.Volume.ID) {
+		if err := c.cfg.Storage.Ensure(ctx, c.volumeRel(id)); err != nil {
+			return status.Errorf(codes.Internal, "making the storage of %s usable before exporting it: %v", rec.Volume.ID, err)
+		}
+		c.mu.Lock()
+		c.ready[rec.Volume.ID] = true
+		c.mu.Unlock()
+	}
 	if err := c.writeExportFile(rec); err != nil {
 		return err
 	}
 	fpExportFileWritten.Hit()
-	id, _ := volumeid.Parse(rec.Volume.ID)
 	if err := c.exporter.ApplyExport(ctx, c.exportFile(id), rec.ExportID); err != nil {
 		c.controlFailed(OpApplyExport)
 		return status.Errorf(codes.Unavailable, "ganesha refused the export of %s: %v", rec.Volume.ID, err)
@@ -433,6 +474,13 @@ func (c *Controller) applyExport(ctx context.Context, rec *volumeRecord) error {
 	fpExportApplied.Hit()
 	klog.V(2).InfoS("Export served", "volumeID", rec.Volume.ID, "exportID", rec.ExportID, "clients", clientList(rec))
 	return nil
+}
+
+// isReady reports whether this run has made volume id's storage usable.
+func (c *Controller) isReady(id string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.ready[id]
 }
 
 // reserve promises bytes to owner and takes the lowest free export id (when
@@ -647,6 +695,7 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 	fpCreateRecorded.Hit()
 	c.mu.Lock()
 	c.putVolume(rec)
+	c.ready[rec.Volume.ID] = true // Create and Copy leave it usable
 	c.mu.Unlock()
 	if err := c.applyExport(ctx, rec); err != nil {
 		// The record stands; a retried CreateVolume finds it, and the next
@@ -724,6 +773,7 @@ func (c *Controller) DeleteVolume(ctx context.Context, id volumeid.ID) error {
 	r := &removal{meta: c.volumeMeta(id), rel: c.volumeRel(id), exportID: rec.ExportID, project: rec.ProjectID, bytes: rec.Volume.CapacityBytes}
 	c.mu.Lock()
 	c.dropVolume(id.String())
+	delete(c.ready, id.String())
 	c.removals[id.String()] = r
 	c.mu.Unlock()
 	return c.finishRemoval(ctx, id.String(), r)
@@ -865,11 +915,20 @@ func (c *Controller) VolumeHealth(ctx context.Context, id volumeid.ID) (backend.
 	if _, err := os.Stat(c.dir(c.volumeRel(id))); err != nil {
 		return backend.Health{Abnormal: true, Condition: backend.DataLoss, Reason: "DataMissing", Message: fmt.Sprintf("the volume's directory is gone: %v", err)}, nil
 	}
-	if _, err := os.Stat(c.exportFile(id)); err != nil {
-		return backend.Health{Abnormal: true, Condition: backend.Inaccessible, Reason: "ExportMissing", Message: fmt.Sprintf("the volume's export file is gone: %v", err)}, nil
+	// A volume not used since the start has no export file, rightly.
+	if c.isReady(rec.Volume.ID) {
+		if _, err := os.Stat(c.exportFile(id)); err != nil {
+			return backend.Health{Abnormal: true, Condition: backend.Inaccessible, Reason: "ExportMissing", Message: fmt.Sprintf("the volume's export file is gone: %v", err)}, nil
+		}
 	}
+	// Usage reads the volume's own filesystem (the image storage mounts a
+	// volume not served yet to do so): a volume whose data cannot be read
+	// is not reported healthy.
 	used, limit, err := c.cfg.Storage.Usage(ctx, c.volumeRel(id), rec.ProjectID)
-	if err == nil && limit > 0 && used >= limit {
+	if err != nil {
+		return backend.Health{Abnormal: true, Condition: backend.Inaccessible, Reason: "StorageUnreadable", Message: fmt.Sprintf("the volume's storage cannot be read: %v", err)}, nil
+	}
+	if limit > 0 && used >= limit {
 		return backend.Health{Abnormal: true, Condition: backend.Degraded, Reason: "Full", Message: fmt.Sprintf("the volume is full: %d of %d bytes used", used, limit)}, nil
 	}
 	return backend.Health{}, nil

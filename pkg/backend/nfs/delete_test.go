@@ -34,7 +34,7 @@ func TestDeleteHoldsWhatUndeletedDataHolds_RecordingGanesha(t *testing.T) {
 	var storage nfs.Storage
 	open := func() *nfs.Controller {
 		t.Helper()
-		store, err := imagestore.Open(ctx, root)
+		store, err := imagestore.Open(ctx, root, imagestore.XFS)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -38,6 +38,21 @@ func startedController(t *testing.T, ctx context.Context, storage nfs.Storage, e
 	return ctrl, g
 }
 
+// createMultiWriter creates a 1 MiB MULTI_NODE_MULTI_WRITER volume named
+// name and returns its id.
+func createMultiWriter(t *testing.T, ctx context.Context, ctrl *nfs.Controller, name string) volumeid.ID {
+	t.Helper()
+	id, err := volumeid.New(accessmode.BackendNFS, "", volumeid.Volume, volumeid.KeyFor("test", volumeid.Volume, name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ctrl.CreateVolume(ctx, backend.VolumeSpec{ID: id, Name: name, CapacityBytes: 1 << 20,
+		AccessType: accessmode.Mount, Modes: []accessmode.Mode{accessmode.MultiNodeMultiWriter}}); err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
 // recordingGanesha keeps the export file as it was each time ganesha was
 // told to apply it: what ganesha would have served.
 type recordingGanesha struct{ applied map[uint16]string }
@@ -234,20 +249,29 @@ func TestExportsOpenOnlyToPublishedNodes(t *testing.T) {
 		check("rootSquash="+tc.value, id, map[string]string{"10.0.0.13": "RW"}, tc.want)
 	}
 
-	// A restarted controller renders the same export files from the records
-	// before ganesha starts: nothing is served wider after a crash.
-	before, err := os.ReadFile(filepath.Join(exportDir, vol.FileName()+".conf"))
+	// A restarted controller renders the export files of the published
+	// volumes from the records before ganesha starts, and removes the rest
+	// (they are rendered again at their next publish): nothing is served
+	// wider after a crash.
+	published := create("published-at-restart", nil)
+	attach("published before the restart", published, rw(n1))
+	want, err := os.ReadFile(filepath.Join(exportDir, published.FileName()+".conf"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(exportDir, vol.FileName()+".conf"), []byte("EXPORT { Access_Type = RW; }\n"), 0o600); err != nil {
-		t.Fatal(err)
+	for _, id := range []volumeid.ID{vol, published} {
+		if err := os.WriteFile(filepath.Join(exportDir, id.FileName()+".conf"), []byte("EXPORT { Access_Type = RW; }\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
 	}
 	if _, err := nfs.NewController(ctx, nfs.Config{Storage: dirStorage{root}, ExportDir: exportDir, Server: "10.0.0.1"}); err != nil {
 		t.Fatal(err)
 	}
-	if after, _ := os.ReadFile(filepath.Join(exportDir, vol.FileName()+".conf")); string(after) != string(before) {
-		t.Errorf("after a restart the export file is\n%s\nwant it rendered from the record again:\n%s", after, before)
+	if after, _ := os.ReadFile(filepath.Join(exportDir, published.FileName()+".conf")); string(after) != string(want) {
+		t.Errorf("after a restart the export file of a published volume is\n%s\nwant it rendered from the record again:\n%s", after, want)
+	}
+	if _, err := os.Stat(filepath.Join(exportDir, vol.FileName()+".conf")); !os.IsNotExist(err) {
+		t.Errorf("after a restart the export file of a volume published nowhere is still there (%v); want it removed until its next publish", err)
 	}
 
 	if err := ctrl.DeleteVolume(ctx, vol); err != nil {
@@ -347,15 +371,7 @@ func TestVolumesOnFollowsTheRecords(t *testing.T) {
 	}
 	var ids []volumeid.ID
 	for _, name := range []string{"a", "b", "c"} {
-		id, err := volumeid.New(accessmode.BackendNFS, "", volumeid.Volume, volumeid.KeyFor("test", volumeid.Volume, name))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := ctrl.CreateVolume(ctx, backend.VolumeSpec{ID: id, Name: name, CapacityBytes: 1 << 20,
-			AccessType: accessmode.Mount, Modes: []accessmode.Mode{accessmode.MultiNodeMultiWriter}}); err != nil {
-			t.Fatal(err)
-		}
-		ids = append(ids, id)
+		ids = append(ids, createMultiWriter(t, ctx, ctrl, name))
 	}
 	set := func(id volumeid.ID, a ...accessmode.Attachment) {
 		t.Helper()

@@ -21,6 +21,9 @@ type Options struct {
 	// "images" (one loop-mounted xfs image per volume) or "auto" (quota
 	// where the kernel's xfs supports it, images otherwise).
 	Storage string
+	// ImageFilesystem is what the image storage formats new volumes
+	// with: "xfs" (the default) or "ext4" (see imagestore.Filesystem).
+	ImageFilesystem string
 	// ExportRoot is where volume data lives on the server: a prjquota xfs
 	// mount point, or a directory in which the driver keeps a pool image
 	// of PoolImageSize bytes and mounts it.
@@ -211,7 +214,15 @@ func openStorageOf(ctx context.Context, mode string, o Options) (Storage, error)
 		}
 		return NewQuotaStorage(pool, release), nil
 	case "images":
-		store, err := imagestore.Open(ctx, o.ExportRoot)
+		newFS := imagestore.XFS
+		if o.ImageFilesystem != "" {
+			f, err := imagestore.ParseFilesystem(o.ImageFilesystem)
+			if err != nil {
+				return nil, fmt.Errorf("nfs: --nfs-image-filesystem: %w", err)
+			}
+			newFS = f
+		}
+		store, err := imagestore.Open(ctx, o.ExportRoot, newFS)
 		if err != nil {
 			return nil, fmt.Errorf("nfs: opening the image store: %w", err)
 		}

@@ -39,6 +39,11 @@ type Storage interface {
 	// one call: what it must learn of the machine to do so it learns once,
 	// not once per object.
 	Restore(ctx context.Context, rels []string) error
+	// Ensure makes one object usable now, as Restore would, when Restore
+	// left it out: the controller restores only what is published at
+	// start. The other methods do the same for the objects they touch, so
+	// this is for callers that use the object's directory directly.
+	Ensure(ctx context.Context, rel string) error
 	// Prune removes every object whose rel is not in keep.
 	Prune(ctx context.Context, keep map[string]bool) ([]string, error)
 	// Release lets go of what the storage holds (mounts, loop devices).
@@ -89,6 +94,11 @@ func (q *quotaStorage) Restore(ctx context.Context, rels []string) error {
 		}
 	}
 	return nil
+}
+
+// Ensure checks that the object's directory is there: nothing to mount.
+func (q *quotaStorage) Ensure(ctx context.Context, rel string) error {
+	return q.Restore(ctx, []string{rel})
 }
 
 func (q *quotaStorage) Prune(ctx context.Context, keep map[string]bool) ([]string, error) {
@@ -153,6 +163,9 @@ func (i *imageStorage) Free() (int64, error) { return i.store.Free() }
 func (i *imageStorage) Size() (int64, error) { return i.store.Size() }
 func (i *imageStorage) Restore(ctx context.Context, rels []string) error {
 	return i.store.RestoreAll(ctx, rels)
+}
+func (i *imageStorage) Ensure(ctx context.Context, rel string) error {
+	return i.store.Restore(ctx, rel)
 }
 func (i *imageStorage) Prune(ctx context.Context, keep map[string]bool) ([]string, error) {
 	return i.store.Prune(ctx, keep)

@@ -1,8 +1,12 @@
 // Package imagestore keeps every NFS volume and snapshot as a sparse image
-// file of its own, holding an xfs filesystem that is loop-mounted on the
-// server where ganesha exports it. It is the way to give NFS volumes real
-// size limits on kernels whose xfs has no quota support (package projquota
-// needs that).
+// file of its own, holding an xfs or ext4 filesystem (see Filesystem) that
+// is loop-mounted on the server where ganesha exports it. It is the way to
+// give NFS volumes real size limits on kernels whose xfs has no quota
+// support (package projquota needs that).
+//
+// An image is mounted when it is created, restored, or first used after a
+// restart that left it out (Grow, Copy and Usage mount what they need), so
+// a caller may restore only the objects it serves at once.
 //
 // Layout under the store's root:
 //
@@ -10,19 +14,19 @@
 //	ROOT/<group>/<name>               its mount point, the exported directory
 //
 // The image's size is the object's hard limit: a volume of N bytes can
-// never hold more than N (less, in fact: xfs keeps its log and metadata in
-// the same bytes). Growing is online and needs no CAP_SYS_RESOURCE, unlike
-// growing a mounted ext4: the file is made longer (holes only), the loop
-// device rereads its size (losetup --set-capacity) and xfs_growfs grows the
-// mounted filesystem. mkfs.xfs refuses filesystems smaller than 300 MiB,
-// hence MinSize. xfs grows well by a few times its size, less well by
-// hundreds of times (a 300 MiB filesystem grown to terabytes has thousands
-// of small allocation groups), which callers may want to keep in mind for
-// their defaults.
+// never hold more than N (less, in fact: the filesystem keeps its log and
+// metadata in the same bytes). Growing is online: the file is made longer
+// (holes only), the loop device rereads its size (losetup --set-capacity)
+// and xfs_growfs or resize2fs grows the mounted filesystem (ext4's needs
+// CAP_SYS_RESOURCE, xfs's does not). mkfs.xfs refuses filesystems smaller
+// than 300 MiB, hence Filesystem.MinSize. xfs grows well by a few times its
+// size, less well by hundreds of times (a 300 MiB filesystem grown to
+// terabytes has thousands of small allocation groups), which callers may
+// want to keep in mind for their defaults.
 //
-// Images stay sparse: only what mkfs.xfs wrote (mostly the internal log, 64
-// MiB for small filesystems) and what clients stored takes space on the
-// disk. Copies are made with cp --reflink=auto --sparse=always, so on a
+// Images stay sparse: only what mkfs wrote (for xfs mostly the internal
+// log, 64 MiB for small filesystems; for ext4 a few hundred KiB) and what
+// clients stored takes space on the disk. Copies are made with cp --reflink=auto --sparse=always, so on a
 // root on xfs or btrfs a snapshot shares its blocks with its source.
 //
 // # Image names
@@ -102,9 +106,6 @@ import (
 	mtab "github.com/modeguard/modeguard/pkg/mounts"
 )
 
-// MinSize is the smallest image: mkfs.xfs refuses smaller filesystems.
-const MinSize int64 = 300 << 20
-
 // RootDirMode is the mode Create gives the root directory of a new
 // volume's filesystem.
 //
@@ -137,14 +138,14 @@ const (
 	// direct I/O needs.
 	sizeAlign = 4096
 
-	mountFlags   = unix.MS_NODEV | unix.MS_NOSUID
-	mountOptions = "nouuid"
+	mountFlags = unix.MS_NODEV | unix.MS_NOSUID
 )
 
 // Store keeps images and their mounts under one root directory.
 type Store struct {
 	root   string // absolute, free of symlinks
 	images string // root/images
+	newFS  Filesystem
 
 	// all is held shared by the work on single rels and exclusively by
 	// Prune and Release.
@@ -153,17 +154,21 @@ type Store struct {
 }
 
 // Open prepares root (creates it 0755 if missing, and root/images 0700)
-// and returns the store. It mounts nothing: Restore does that for each
-// object the caller knows of, and Prune removes the rest.
-func Open(ctx context.Context, root string) (*Store, error) {
+// and returns the store, which formats new images with newFS. It mounts
+// nothing: Restore does that for each object the caller knows of, and
+// Prune removes the rest.
+func Open(ctx context.Context, root string, newFS Filesystem) (*Store, error) {
+	if _, err := ParseFilesystem(string(newFS)); err != nil {
+		return nil, err
+	}
 	var missing []string
-	for _, tool := range []string{"mkfs.xfs", "xfs_growfs", "losetup", "cp"} {
+	for _, tool := range append(newFS.tools(), "losetup", "cp") {
 		if _, err := exec.LookPath(tool); err != nil {
 			missing = append(missing, tool)
 		}
 	}
 	if len(missing) > 0 {
-		return nil, fmt.Errorf("imagestore: %s not found in PATH (install xfsprogs, util-linux and coreutils)", strings.Join(missing, ", "))
+		return nil, fmt.Errorf("imagestore: %s not found in PATH (install xfsprogs or e2fsprogs, util-linux and coreutils)", strings.Join(missing, ", "))
 	}
 	abs, err := filepath.Abs(root)
 	if err != nil {
@@ -187,7 +192,7 @@ func Open(ctx context.Context, root string) (*Store, error) {
 			return nil, fmt.Errorf("imagestore: %w", err)
 		}
 	}
-	return &Store{root: resolved, images: images}, nil
+	return &Store{root: resolved, images: images, newFS: newFS}, nil
 }
 
 // Root is the directory the mount points are in (absolute, free of
@@ -195,7 +200,7 @@ func Open(ctx context.Context, root string) (*Store, error) {
 func (s *Store) Root() string { return s.root }
 
 // MinSize is the smallest limit Create accepts.
-func (s *Store) MinSize() int64 { return MinSize }
+func (s *Store) MinSize() int64 { return s.newFS.MinSize() }
 
 // checkRel validates rel; see the package comment for the rules.
 func checkRel(rel string) error {
@@ -281,8 +286,8 @@ func (s *Store) Create(ctx context.Context, rel string, limit int64) error {
 	if err := checkRel(rel); err != nil {
 		return err
 	}
-	if limit < MinSize {
-		return fmt.Errorf("imagestore: size %d bytes for %s is below the minimum of %d bytes (mkfs.xfs refuses smaller filesystems)", limit, rel, MinSize)
+	if limit < s.MinSize() {
+		return fmt.Errorf("imagestore: size %d bytes for %s is below the minimum of %d bytes of an %s image", limit, rel, s.MinSize(), s.newFS)
 	}
 	size := alignDown(limit)
 	unlock, err := s.lock(ctx, rel)
@@ -354,7 +359,7 @@ func (s *Store) format(ctx context.Context, rel string, size int64) error {
 	if err := f.Truncate(size); err != nil {
 		return fail(fmt.Errorf("imagestore: sizing %s: %w", tmp, err))
 	}
-	if _, err := command.Run(ctx, "mkfs.xfs", "-q", tmp); err != nil {
+	if err := s.newFS.mkfs(ctx, tmp); err != nil {
 		return fail(fmt.Errorf("imagestore: %w", err))
 	}
 	if err := f.Sync(); err != nil {
@@ -565,6 +570,10 @@ func (s *Store) mountSeeing(ctx context.Context, rel string, mounts []*mtab.Moun
 			}
 		}
 	}
+	fs, err := filesystemOf(image)
+	if err != nil {
+		return false, err
+	}
 	attachedNow := false
 	if dev == "" {
 		d, err := loop.Attach(ctx, image, false)
@@ -583,9 +592,9 @@ func (s *Store) mountSeeing(ctx context.Context, rel string, mounts []*mtab.Moun
 			}
 		}
 	}
-	if err := unix.Mount(dev, mnt, "xfs", mountFlags, mountOptions); err != nil {
+	if err := unix.Mount(dev, mnt, string(fs), mountFlags, fs.mountOptions()); err != nil {
 		undoAttach()
-		return false, fmt.Errorf("imagestore: mount -t xfs -o nodev,nosuid,%s %s %s: %w (the kernel log, dmesg, tells why)", mountOptions, dev, mnt, err)
+		return false, fmt.Errorf("imagestore: mount -t %s -o nodev,nosuid,%s %s %s: %w (the kernel log, dmesg, tells why)", fs, fs.mountOptions(), dev, mnt, err)
 	}
 	if err := mountedFrom(mnt, dev); err != nil {
 		_ = unix.Unmount(mnt, unix.UMOUNT_NOFOLLOW)
@@ -714,8 +723,9 @@ func (s *Store) remove(ctx context.Context, rel string) error {
 // Grow enlarges rel's image to limit (rounded down to whole 4 KiB; a
 // smaller limit leaves the size as it is, images never shrink), makes the
 // loop device pick up the new size and grows the mounted filesystem with
-// xfs_growfs: online, writers keep going. rel must be mounted (Restore
-// mounts it). A retry after an interrupted Grow finishes the steps left.
+// xfs_growfs: online, writers keep going. An image not mounted yet (one
+// Restore left out) is mounted first. A retry after an interrupted Grow
+// finishes the steps left.
 func (s *Store) Grow(ctx context.Context, rel string, limit int64) error {
 	if err := checkRel(rel); err != nil {
 		return err
@@ -743,7 +753,17 @@ func (s *Store) Grow(ctx context.Context, rel string, limit int64) error {
 		return err
 	}
 	if dev == "" {
-		return fmt.Errorf("imagestore: cannot grow %s: it is not mounted at %s (Restore mounts it)", rel, mnt)
+		// The filesystem grows while mounted, and a volume nobody used
+		// since the start is not mounted yet.
+		if err := s.restoreLocked(ctx, rel); err != nil {
+			return err
+		}
+		if dev, err = mountedDevice(image, mnt); err != nil {
+			return err
+		}
+		if dev == "" {
+			return fmt.Errorf("imagestore: cannot grow %s: it is still not mounted at %s after mounting it", rel, mnt)
+		}
 	}
 	if st.Size() < size {
 		if err := extend(image, size); err != nil {
@@ -753,7 +773,11 @@ func (s *Store) Grow(ctx context.Context, rel string, limit int64) error {
 	if err := refresh(ctx, dev, image); err != nil {
 		return err
 	}
-	if _, err := command.Run(ctx, "xfs_growfs", "-d", mnt); err != nil {
+	fs, err := filesystemOf(image)
+	if err != nil {
+		return err
+	}
+	if err := fs.grow(ctx, dev, mnt); err != nil {
 		return fmt.Errorf("imagestore: %w", err)
 	}
 	if st.Size() < size {
@@ -903,17 +927,26 @@ func (s *Store) Copy(ctx context.Context, srcRel, dstRel string, limit int64) (e
 	return nil
 }
 
-// Usage returns the used and total bytes of rel's mounted filesystem, as
-// statfs reports them (total excludes xfs's internal log).
+// Usage returns the used and total bytes of rel's filesystem, as statfs
+// reports them (total excludes xfs's internal log), mounting it first if
+// it is not mounted yet (an image Restore left out).
 func (s *Store) Usage(ctx context.Context, rel string) (used, total int64, err error) {
 	if err := checkRel(rel); err != nil {
 		return 0, 0, err
+	}
+	image, mnt := s.imagePath(rel), s.mountPath(rel)
+	s.all.RLock()
+	_, err = s.mountID(image, mnt)
+	s.all.RUnlock()
+	if errors.Is(err, errNotMounted) {
+		if err := s.Restore(ctx, rel); err != nil {
+			return 0, 0, err
+		}
 	}
 	// Only the shared lock: Usage should not wait for a long Copy of rel.
 	// The mount is checked before and after statfs instead.
 	s.all.RLock()
 	defer s.all.RUnlock()
-	image, mnt := s.imagePath(rel), s.mountPath(rel)
 	before, err := s.mountID(image, mnt)
 	if err != nil {
 		return 0, 0, err
@@ -941,7 +974,7 @@ func (s *Store) mountID(image, mnt string) (int, error) {
 	}
 	top := mtab.TopAt(mounts, mnt)
 	if top == nil {
-		return 0, fmt.Errorf("imagestore: %s is not mounted (Restore mounts it)", mnt)
+		return 0, fmt.Errorf("imagestore: %s: %w", mnt, errNotMounted)
 	}
 	current, _, err := bound(image)
 	if err != nil {
@@ -972,6 +1005,9 @@ func (s *Store) Size() (int64, error) {
 	return int64(st.Blocks) * st.Bsize, nil
 }
 
+// errNotMounted says an image's mount point has nothing mounted on it.
+var errNotMounted = errors.New("not mounted (Restore mounts it)")
+
 // Restore makes rel usable again after a restart or a reboot: it attaches
 // the image unless a loop device is still bound to it (which is reused),
 // and mounts it unless it is mounted. A filesystem found mounted and
@@ -986,6 +1022,11 @@ func (s *Store) Restore(ctx context.Context, rel string) error {
 		return err
 	}
 	defer unlock()
+	return s.restoreLocked(ctx, rel)
+}
+
+// restoreLocked is Restore with rel's lock held.
+func (s *Store) restoreLocked(ctx context.Context, rel string) error {
 	mounts, devs, err := machine()
 	if err != nil {
 		return err

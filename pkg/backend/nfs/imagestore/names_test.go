@@ -89,16 +89,16 @@ func TestMethodsRefuseBadRels(t *testing.T) {
 	}
 	ctx := context.Background()
 	for _, rel := range append(hostileRels, "volumes", "a/b/c", "images/x", "a_b/c") {
-		if err := s.Create(ctx, rel, MinSize); err == nil {
+		if err := s.Create(ctx, rel, XFS.MinSize()); err == nil {
 			t.Errorf("Create(%q) accepted it", rel)
 		}
-		if err := s.Grow(ctx, rel, MinSize); err == nil {
+		if err := s.Grow(ctx, rel, XFS.MinSize()); err == nil {
 			t.Errorf("Grow(%q) accepted it", rel)
 		}
-		if err := s.Copy(ctx, rel, "volumes/ok", MinSize); err == nil {
+		if err := s.Copy(ctx, rel, "volumes/ok", XFS.MinSize()); err == nil {
 			t.Errorf("Copy(src %q) accepted it", rel)
 		}
-		if err := s.Copy(ctx, "volumes/ok", rel, MinSize); err == nil {
+		if err := s.Copy(ctx, "volumes/ok", rel, XFS.MinSize()); err == nil {
 			t.Errorf("Copy(dst %q) accepted it", rel)
 		}
 		if err := s.Remove(ctx, rel); err == nil {
@@ -111,13 +111,13 @@ func TestMethodsRefuseBadRels(t *testing.T) {
 			t.Errorf("Usage(%q) accepted it", rel)
 		}
 	}
-	for _, limit := range []int64{-1, 0, 1 << 20, MinSize - 1} {
+	for _, limit := range []int64{-1, 0, 1 << 20, XFS.MinSize() - 1} {
 		err := s.Create(ctx, "volumes/small", limit)
 		if err == nil || !strings.Contains(err.Error(), "minimum") {
 			t.Errorf("Create with %d bytes: %v", limit, err)
 		}
 	}
-	if err := s.Copy(ctx, "volumes/a", "volumes/a", MinSize); err == nil {
+	if err := s.Copy(ctx, "volumes/a", "volumes/a", XFS.MinSize()); err == nil {
 		t.Error("Copy onto itself accepted")
 	}
 	entries, err := os.ReadDir(root)

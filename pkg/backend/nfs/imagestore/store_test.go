@@ -41,9 +41,18 @@ func needRoot(t *testing.T) {
 // check that no mount and no loop device of it is left.
 func newStore(t *testing.T) *Store {
 	t.Helper()
+	return newStoreOf(t, XFS)
+}
+
+// newStoreOf is newStore formatting new images with fs.
+func newStoreOf(t *testing.T, fs Filesystem) *Store {
+	t.Helper()
 	needRoot(t)
+	if fs == Ext4 {
+		testfiles.RequireLoopDevices(t, "formats ext4 images", "mkfs.ext4", "resize2fs")
+	}
 	dir := t.TempDir()
-	s, err := Open(context.Background(), dir)
+	s, err := Open(context.Background(), dir, fs)
 	if err != nil {
 		t.Fatalf("Open: %v", err)
 	}
@@ -128,16 +137,20 @@ func checkMounted(t *testing.T, s *Store, rel string) *mtab.Mount {
 	if len(current) != 1 || current[0] != m.Source || len(stale) > 0 {
 		t.Errorf("%s mounted from %s; loop devices bound to its image: %v, to deleted earlier images: %v", rel, m.Source, current, stale)
 	}
-	if m.FSType != "xfs" {
-		t.Errorf("%s is %s", mnt, m.FSType)
+	fs, err := filesystemOf(image)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.FSType != string(fs) {
+		t.Errorf("%s is %s, its image holds %s", mnt, m.FSType, fs)
 	}
 	for _, o := range []string{"nodev", "nosuid"} {
 		if !slices.Contains(strings.Split(m.Options, ","), o) {
 			t.Errorf("%s mounted without %s: %v", mnt, o, m.Options)
 		}
 	}
-	if !slices.Contains(mtab.SuperOptions(m), "nouuid") {
-		t.Errorf("%s mounted without nouuid: %v", mnt, mtab.SuperOptions(m))
+	if !slices.Contains(mtab.SuperOptions(m), fs.mountOptions()) {
+		t.Errorf("%s mounted without %s: %v", mnt, fs.mountOptions(), mtab.SuperOptions(m))
 	}
 	return m
 }
@@ -390,12 +403,18 @@ func TestGrowOnline(t *testing.T) {
 	if err := s.Grow(ctx, "volumes/missing", 400*MiB); err == nil {
 		t.Error("Grow of a missing volume succeeded")
 	}
-	// Not mounted: refused, and nothing is changed.
-	if err := unix.Unmount(mnt, 0); err != nil {
+	// Something else mounted over the volume: refused, and nothing is
+	// changed (an unmounted one is mounted and grown: see
+	// TestGrowAndUsageMountWhatRestoreLeftOut).
+	if err := unix.Mount("tmpfs", mnt, "tmpfs", 0, "size=1m"); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Grow(ctx, rel, 500*MiB); err == nil {
-		t.Error("Grow of an unmounted volume succeeded")
+	err = s.Grow(ctx, rel, 500*MiB)
+	if uerr := unix.Unmount(mnt, 0); uerr != nil {
+		t.Fatal(uerr)
+	}
+	if err == nil {
+		t.Error("Grow of a volume with something else mounted over it succeeded")
 	}
 	if size, _ := allocated(t, s.imagePath(rel)); size != 400*MiB {
 		t.Errorf("refused Grow changed the image size to %d", size)
@@ -759,9 +778,6 @@ func TestRestore(t *testing.T) {
 		if _, err := os.Stat(filepath.Join(s.mountPath(rel), "marker")); !errors.Is(err, os.ErrNotExist) {
 			t.Errorf("%s: marker visible after Release: %v", rel, err)
 		}
-		if _, _, err := s.Usage(ctx, rel); err == nil {
-			t.Errorf("Usage of released %s succeeded", rel)
-		}
 	}
 
 	// Restore through the same store, and through a new one (a restart);
@@ -769,7 +785,7 @@ func TestRestore(t *testing.T) {
 	if err := s.Restore(ctx, rels[0]); err != nil {
 		t.Fatal(err)
 	}
-	s2, err := Open(ctx, s.Root())
+	s2, err := Open(ctx, s.Root(), s.newFS)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -858,7 +874,7 @@ func TestRestoreAll(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	s2, err := Open(ctx, s.Root()) // a restart
+	s2, err := Open(ctx, s.Root(), s.newFS) // a restart
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -892,6 +908,64 @@ func TestRestoreAll(t *testing.T) {
 	}
 	if _, err := os.Lstat(s.mountPath("volumes/missing")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("RestoreAll of a missing image made its mount point: %v", err)
+	}
+}
+
+// A restarted controller restores only the images of published volumes;
+// the others must still grow and report their usage, which needs them
+// mounted: Grow and Usage mount an image nobody restored.
+func TestGrowAndUsageMountWhatRestoreLeftOut(t *testing.T) {
+	s := newStore(t)
+	ctx := context.Background()
+	rels := []string{"volumes/grown", "volumes/measured"}
+	for _, rel := range rels {
+		if err := s.Create(ctx, rel, 300*MiB); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(s.mountPath(rel), "marker"), []byte(rel), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.Release(); err != nil { // a graceful stop
+		t.Fatal(err)
+	}
+	s2, err := Open(ctx, s.Root(), s.newFS) // the restart, which restores nothing
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s2.RestoreAll(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	for _, rel := range rels {
+		if m := mountAt(t, s.mountPath(rel)); m != nil {
+			t.Fatalf("%s is mounted from %s before anything asked for it", rel, m.Source)
+		}
+	}
+
+	if err := s2.Grow(ctx, rels[0], 400*MiB); err != nil {
+		t.Fatalf("Grow of an image not restored: %v", err)
+	}
+	checkMounted(t, s, rels[0])
+	var st unix.Statfs_t
+	if err := unix.Statfs(s.mountPath(rels[0]), &st); err != nil {
+		t.Fatal(err)
+	}
+	if total := int64(st.Blocks) * st.Bsize; total <= 300*MiB {
+		t.Errorf("after Grow to 400 MiB the filesystem has %d bytes", total)
+	}
+
+	used, total, err := s2.Usage(ctx, rels[1])
+	if err != nil {
+		t.Fatalf("Usage of an image not restored: %v", err)
+	}
+	checkMounted(t, s, rels[1])
+	if used <= 0 || total < 200*MiB || total > 300*MiB {
+		t.Errorf("Usage = %d used of %d; want the mounted filesystem's figures", used, total)
+	}
+	for _, rel := range rels {
+		if b, err := os.ReadFile(filepath.Join(s.mountPath(rel), "marker")); err != nil || string(b) != rel {
+			t.Errorf("%s after mounting on demand: %q %v", rel, b, err)
+		}
 	}
 }
 
@@ -946,7 +1020,7 @@ func TestPrune(t *testing.T) {
 	// Leftovers of crashes: an image nobody mounted, one that is attached
 	// but not mounted, a temporary file (attached, even), and a file that
 	// is none of the store's.
-	if err := s.format(ctx, "volumes/orphan", MinSize); err != nil {
+	if err := s.format(ctx, "volumes/orphan", XFS.MinSize()); err != nil {
 		t.Fatal(err)
 	}
 	if err := s.Create(ctx, "volumes/attached", 300*MiB); err != nil {
@@ -960,7 +1034,7 @@ func TestPrune(t *testing.T) {
 		t.Fatal(err)
 	}
 	tmp.Close()
-	if err := os.Truncate(tmp.Name(), MinSize); err != nil {
+	if err := os.Truncate(tmp.Name(), XFS.MinSize()); err != nil {
 		t.Fatal(err)
 	}
 	if out, err := exec.Command("losetup", "--find", tmp.Name()).CombinedOutput(); err != nil {
@@ -1074,7 +1148,7 @@ func TestOpen(t *testing.T) {
 	if err := os.Mkdir(filepath.Join(dir, ImagesDirName), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	s, err := Open(context.Background(), link)
+	s, err := Open(context.Background(), link, XFS)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1092,7 +1166,7 @@ func TestOpen(t *testing.T) {
 	if err := os.Symlink(dir, filepath.Join(dir2, ImagesDirName)); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := Open(context.Background(), dir2); err == nil {
+	if _, err := Open(context.Background(), dir2, XFS); err == nil {
 		t.Error("Open accepted an images symlink")
 	}
 }
