@@ -99,10 +99,12 @@ test: fmt-check vet build
 	$(MAKE) test-e2e
 	bash hack/check-leftovers.sh
 
-# Tests that need a kernel this machine may lack (xfs quota support), run in
-# a small VM with Debian's stock kernel (qemu, software emulation).
+# Tests that need a kernel or a capability this machine may lack (xfs quota
+# support; CAP_SYS_RESOURCE to grow a mounted ext4), run in a small VM with
+# Debian's stock kernel (qemu, software emulation).
 test-vm:
 	bash test/vm/projquota.sh
+	VM_TEST_PKG=pkg/backend/nfs/imagestore bash test/vm/projquota.sh -test.run 'TestExt4Images|TestGrowOnline|TestGrowAndUsageMountWhatRestoreLeftOut'
 
 test-unit:
 	$(GO) test $(GOTEST_FLAGS) -short ./pkg/...

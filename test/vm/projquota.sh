@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs the tests of pkg/backend/nfs/projquota (built with -race) as root
-# inside a throwaway QEMU virtual machine booted with Debian's stock kernel.
+# Runs the tests of pkg/backend/nfs/projquota (built with -race), or of the
+# package VM_TEST_PKG names, as root inside a throwaway QEMU virtual machine
+# booted with Debian's stock kernel.
 #
 # Why: the tests need xfs project quotas, and a kernel built without
 # CONFIG_XFS_QUOTA cannot mount xfs with -o prjquota; there the tests that
@@ -16,9 +17,26 @@
 #
 # Usage: test/vm/projquota.sh [test binary flags, e.g. -test.run TestCopyTree]
 # Exit status: the test binary's.
+#
+# Environment (all optional; with none set it does what make test-vm needs):
+#   VM_TEST_PKG      package directory to test, relative to the repository
+#                    root (default pkg/backend/nfs/projquota): other packages'
+#                    tests and benchmarks that need a pool run here too, e.g.
+#                    VM_TEST_PKG=pkg/backend/nfs ... -test.run '^$' -test.bench X
+#   VM_TEST_RACE     0 builds the test binary without -race (default 1): the
+#                    race detector slows Go code several times over, which
+#                    distorts a benchmark's times though not a test's result.
+#   VM_TEST_TIMEOUT  seconds before the VM is killed (default 1200); a
+#                    benchmark that sets up thousands of volumes under
+#                    emulation may need more.
 set -euo pipefail
 
-pkgdir=$(cd "$(dirname "$0")/../../pkg/backend/nfs/projquota" && pwd)
+test_pkg=${VM_TEST_PKG:-pkg/backend/nfs/projquota}
+pkgdir=$(cd "$(dirname "$0")/../../$test_pkg" && pwd)
+test_bin=$(basename "$pkgdir").test
+race=(-race)
+if [ "${VM_TEST_RACE:-1}" = 0 ]; then race=(); fi
+vm_timeout=${VM_TEST_TIMEOUT:-1200}
 work=$(realpath -m "${PROJQUOTA_VM_DIR:-/var/tmp/projquota-vm}")
 mkdir -p "$work"
 cd "$work"
@@ -34,8 +52,12 @@ if [ -z "$kernel_pkg" ]; then
 fi
 kver=${kernel_pkg#linux-image-}
 # The kernel and an initramfs with busybox and the few modules needed are
-# kept in $work between runs; the rest of the unpacked packages is not.
-if [ ! -f "kernel/boot/vmlinuz-$kver" ] || [ ! -f initrd.gz ]; then
+# kept in $work between runs; the rest of the unpacked packages is not. The
+# initramfs is made again when the module list changes (initrd.mods).
+# ext4: the image store's ext4 volumes grow online only with
+# CAP_SYS_RESOURCE, which the VM's root has.
+mods="virtio_pci 9pnet_virtio 9p crc32c_generic xfs loop ext4"
+if [ ! -f "kernel/boot/vmlinuz-$kver" ] || [ ! -f initrd.gz ] || [ "$(cat initrd.mods 2>/dev/null)" != "$mods" ]; then
 	rm -rf kernel busybox initrd initrd.gz ./*.deb
 	apt-get download -qq "$kernel_pkg" busybox-static 2>/dev/null
 	dpkg-deb -x linux-image-*.deb kernel
@@ -45,7 +67,6 @@ if [ ! -f "kernel/boot/vmlinuz-$kver" ] || [ ! -f initrd.gz ]; then
 	mkdir -p initrd/bin initrd/proc initrd/sys initrd/dev initrd/host
 	cp "$bb" initrd/bin/busybox
 	"$bb" depmod -b "$work/kernel" "$kver"
-	mods="virtio_pci 9pnet_virtio 9p crc32c_generic xfs loop"
 	moddir=kernel/lib/modules/$kver
 	for m in $mods; do
 		line=$(grep -E "/$m\.ko[^:]*:" "$moddir/modules.dep")
@@ -75,14 +96,15 @@ EOF
 	chmod +x initrd/init
 	(cd initrd && find . | "$bb" cpio -o -H newc 2>/dev/null | gzip -1 >../initrd.gz.new)
 	mv initrd.gz.new initrd.gz
+	echo "$mods" >initrd.mods
 	rm -rf initrd busybox kernel/lib kernel/usr
 fi
 
-(cd "$pkgdir" && go test -race -c -o "$work/projquota.test" .)
+(cd "$pkgdir" && go test "${race[@]}" -c -o "$work/$test_bin" .)
 mkdir -p tmp
 {
 	echo "cd '$pkgdir'"
-	printf '%q ' "$work/projquota.test" -test.v -test.count=1 "$@"
+	printf '%q ' "$work/$test_bin" -test.v -test.count=1 "$@"
 	echo
 	echo 'status=$?'
 	echo 'echo "--- loop devices left:"; losetup -a'
@@ -90,7 +112,7 @@ mkdir -p tmp
 	echo 'echo "projquota-vm-exit: $status"'
 } >guest.sh
 
-timeout 1200 qemu-system-x86_64 -accel tcg,thread=multi -cpu max -m 4096 -smp 2 \
+timeout "$vm_timeout" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -m 4096 -smp 2 \
 	-nographic -no-reboot -kernel "kernel/boot/vmlinuz-$kver" -initrd initrd.gz \
 	-append "console=ttyS0 quiet panic=-1" \
 	-virtfs local,path=/,mount_tag=hostroot,security_model=passthrough,id=hostroot,multidevs=remap \
