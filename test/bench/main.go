@@ -79,7 +79,7 @@ func main() {
 	flag.IntVar(&o.nfsVols, "nfs-volumes", 1000, "NFS volumes recorded for the controller start-up (at least the largest of -nfs-counts)")
 	flag.StringVar(&o.nfsImageFS, "nfs-image-filesystem", "ext4", "what the controller formats NFS volumes with (--nfs-image-filesystem): ext4 lets 1,000 fit a small disk, xfs takes 300 MiB each and writes 64 MiB")
 	flag.Float64Var(&o.nfsPublished, "nfs-published", 0.01, "share of the NFS volumes published to some node while the controller restarts")
-	flag.StringVar(&counts, "nfs-counts", "10,50,150", "NFS volume counts at which one more create+publish is timed")
+	flag.StringVar(&counts, "nfs-counts", "100,1000", "NFS volume counts at which one more create+publish is timed")
 	flag.StringVar(&perCallCounts, "percall-counts", "100,10000", "block volumes recorded when the calls of one more lifecycle are timed")
 	flag.IntVar(&o.listVols, "list-volumes", 10000, "volumes for ListVolumes paging and controller memory")
 	flag.IntVar(&o.nodeVols, "node-volumes", 200, "volumes published on the node for its start-up and memory")
@@ -275,6 +275,18 @@ func ms(d time.Duration) string {
 	default:
 		return fmt.Sprintf("%.1fms", float64(d.Microseconds())/1000)
 	}
+}
+
+// growthRow compares the p50 and p99 of the samples taken at a larger
+// count (hi) with those at a smaller one (lo): a call whose cost does not
+// grow with the count stays near 1x.
+func growthRow(name string, lo, hi []time.Duration) row {
+	medLo, _ := stats(lo)
+	medHi, _ := stats(hi)
+	return row{name: name,
+		value:  fmt.Sprintf("p50 %.2fx", medHi.Seconds()/medLo.Seconds()),
+		spread: fmt.Sprintf("p99 %.2fx", p99(hi).Seconds()/p99(lo).Seconds()),
+		target: "<= 1.2x"}
 }
 
 func durationRow(name string, samples []time.Duration, target, note string) row {

@@ -427,15 +427,17 @@ func controllerScale(ctx context.Context, b *bench) ([]row, error) {
 		}
 		return resp.GetVolume().GetVolumeId(), nil
 	}
+	createsAt, publishesAt := map[int][]time.Duration{}, map[int][]time.Duration{}
 	for _, target := range b.opts.nfsCounts {
-		for nfsCount < target {
-			if _, err := createNFS(fmt.Sprintf("nfs-%d", nfsCount)); err != nil {
-				return rows, err
-			}
-			nfsCount++
+		if err := inBatches(nfsCount, target, func(i int) error {
+			_, err := createNFS(fmt.Sprintf("nfs-%d", i))
+			return err
+		}); err != nil {
+			return rows, err
 		}
+		nfsCount = max(nfsCount, target)
 		var creates, publishes []time.Duration
-		for i := 0; i < 4*b.opts.runs; i++ {
+		for i := 0; i < 10*b.opts.runs; i++ {
 			began := time.Now()
 			id, err := createNFS(fmt.Sprintf("nfs-extra-%d-%d", target, i))
 			if err != nil {
@@ -459,6 +461,12 @@ func controllerScale(ctx context.Context, b *bench) ([]row, error) {
 		cr.note += ", p99 " + ms(p99(creates))
 		pr := durationRow(fmt.Sprintf("NFS ControllerPublish with %d NFS volumes", target), publishes, "p99 <= 30ms", "export file + ganesha UpdateExport over D-Bus, p99 "+ms(p99(publishes)))
 		rows = append(rows, cr, pr)
+		createsAt[target], publishesAt[target] = creates, publishes
+	}
+	if lo, hi := b.opts.nfsCounts[0], b.opts.nfsCounts[len(b.opts.nfsCounts)-1]; lo != hi {
+		rows = append(rows,
+			growthRow(fmt.Sprintf("  NFS CreateVolume at %d / at %d", hi, lo), createsAt[lo], createsAt[hi]),
+			growthRow(fmt.Sprintf("  NFS ControllerPublish at %d / at %d", hi, lo), publishesAt[lo], publishesAt[hi]))
 	}
 
 	if err := inBatches(nfsCount, b.opts.nfsVols, func(i int) error {

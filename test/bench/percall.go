@@ -72,12 +72,7 @@ func perCall(ctx context.Context, b *bench) ([]row, error) {
 				value: ms(med), spread: spread, note: fmt.Sprintf("p99 %s, %d samples", ms(p99(at[n][m])), len(at[n][m]))})
 		}
 		if lo != hi {
-			medLo, _ := stats(at[lo][m])
-			medHi, _ := stats(at[hi][m])
-			rows = append(rows, row{name: fmt.Sprintf("  %s at %d / at %d", m, hi, lo),
-				value:  fmt.Sprintf("p50 %.2fx", medHi.Seconds()/medLo.Seconds()),
-				spread: fmt.Sprintf("p99 %.2fx", p99(at[hi][m]).Seconds()/p99(at[lo][m]).Seconds()),
-				target: "<= 1.2x"})
+			rows = append(rows, growthRow(fmt.Sprintf("  %s at %d / at %d", m, hi, lo), at[lo][m], at[hi][m]))
 		}
 	}
 	return rows, nil

@@ -144,7 +144,8 @@ func TestNFSNodeComesBackUnderANewAddress(t *testing.T) {
 	defer cancel()
 	ctrl := testenv.StartNFSController(ctx, t, bin, net.Server.Path, net.Server.Addr.String(), "--nfs-pool-size", "1Gi")
 	gdir := ctrl.GaneshaDir
-	// clients asks ganesha over its bus which clients the volume's export has.
+	// clients asks ganesha over its bus which clients the volume's export
+	// has: none when there is no export, as for a volume no node holds.
 	clients := func(volID string) []string {
 		t.Helper()
 		control, err := ganesha.Dial("unix:path=" + filepath.Join(gdir, ganesha.BusSocketName))
@@ -167,8 +168,7 @@ func TestNFSNodeComesBackUnderANewAddress(t *testing.T) {
 				return out
 			}
 		}
-		t.Fatalf("ganesha has no export of %s", volID)
-		return nil
+		return []string{}
 	}
 	payload := filepath.Join(work, "payload")
 	if err := os.WriteFile(payload, []byte("written over NFS"), 0o644); err != nil {

@@ -15,6 +15,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
 	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha"
 	"github.com/modeguard/modeguard/pkg/metrics"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -39,6 +40,7 @@ func (d dirStorage) Free() (int64, error)                                       
 func (d dirStorage) Size() (int64, error)                                        { return 2 << 30, nil }
 func (d dirStorage) Restore(context.Context, []string) error                     { return nil }
 func (d dirStorage) Ensure(context.Context, string) error                        { return nil }
+func (d dirStorage) Idle(context.Context, string) error                          { return nil }
 func (d dirStorage) Prune(context.Context, map[string]bool) ([]string, error)    { return nil, nil }
 func (d dirStorage) Release() error                                              { return nil }
 func (d dirStorage) CopiesAtOnePoint() bool                                      { return true }
@@ -78,8 +80,9 @@ func (f *flakyGanesha) Exports(context.Context) ([]ganesha.ExportInfo, error) {
 func TestControlErrorsAreCounted(t *testing.T) {
 	ctx := context.Background()
 	m := metrics.New()
+	exportDir := t.TempDir()
 	ctrl, err := nfs.NewController(ctx, nfs.Config{
-		Storage: dirStorage{t.TempDir()}, ExportDir: t.TempDir(), Server: "127.0.0.1",
+		Storage: dirStorage{t.TempDir()}, ExportDir: exportDir, Server: "127.0.0.1",
 		ControlFailed: m.NFSControlFailed,
 	})
 	if err != nil {
@@ -131,17 +134,28 @@ func TestControlErrorsAreCounted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	g.failApply = true
-	_, err = ctrl.CreateVolume(ctx, backend.VolumeSpec{
+	if _, err := ctrl.CreateVolume(ctx, backend.VolumeSpec{
 		ID: id, Name: "v", CapacityBytes: 1 << 20, AccessType: accessmode.Mount,
 		Modes: []accessmode.Mode{accessmode.MultiNodeMultiWriter},
-	})
-	if status.Code(err) != codes.Unavailable {
-		t.Fatalf("CreateVolume with ganesha refusing: %v, want UNAVAILABLE", err)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	g.failApply = true
+	node := accessmode.Attachment{NodeID: nodeid.Node{Name: "n1", Zone: "zone-a", Address: "10.0.0.11"}.String(), Mode: accessmode.MultiNodeMultiWriter}
+	if _, err := ctrl.SetAttachments(ctx, id, []accessmode.Attachment{node}); status.Code(err) != codes.Unavailable {
+		t.Fatalf("a publish with ganesha refusing the export: %v, want UNAVAILABLE", err)
 	}
 	if c := count(nfs.OpApplyExport); c != 1 {
 		t.Errorf("ApplyExport errors = %v, want 1", c)
 	}
+	if v, err := ctrl.Volume(ctx, id); err != nil || len(v.Attachments) != 0 {
+		t.Errorf("after the refused publish the volume records %+v (%v), want no attachment", v, err)
+	}
+	// A refused first export leaves no file a restarted ganesha would read.
+	if _, err := os.Stat(filepath.Join(exportDir, id.FileName()+".conf")); !os.IsNotExist(err) {
+		t.Errorf("the export file of a refused first export is there: %v", err)
+	}
+	g.failApply = false
 
 	// Ganesha no longer knows the export: removal is done, not failed.
 	g.removeErr = &ganesha.Error{Method: "RemoveExport", Name: "org.freedesktop.DBus.Error.InvalidArgs", Message: "Export id not found"}

@@ -20,18 +20,28 @@
 //	ROOT/meta/volumes/<file name>.json the volume record: backend.Volume plus export and project ids
 //	ROOT/meta/snapshots/<file name>.json
 //
-// and one export file per volume, EXPORTS/<file name>.conf, which ganesha
-// includes from its configuration.
+// and one export file per exported volume, EXPORTS/<file name>.conf, which
+// ganesha includes from its configuration.
+//
+// # Only held volumes are served
+//
+// A volume is exported only while some node holds it: its first publish
+// makes its storage usable (mounts its image, for the image storage) and
+// then exports it; its last unpublish removes the export and then lets the
+// storage go. A start serves only the published volumes. Work on an idle
+// volume or a snapshot (a copy, a growth, a health check) makes its storage
+// usable for the work and lets it go again. So what the server holds follows
+// what nodes use, not how many volumes exist.
 //
 // # Order of writes
 //
 // The record is the truth. A volume's directory is created before its record
 // and removed after it; its export file is rendered from the record, written
-// atomically, and only then is ganesha told. On start every export file is
-// rendered again from the records, export files and directories without a
-// record are removed, and ganesha is told to drop every export it has that no
-// record names: after a crash nothing is ever served wider than the records
-// say.
+// atomically, and only then is ganesha told. On start the export file of
+// every published volume is rendered again from its record, every other
+// export file and every directory without a record is removed, and ganesha
+// is told to drop every export it has of no published volume: after a crash
+// nothing is ever served wider than the records say.
 package nfs
 
 import (
@@ -57,6 +67,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha"
 	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/fsutil"
+	"github.com/modeguard/modeguard/pkg/keylock"
 	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
@@ -131,12 +142,18 @@ type Controller struct {
 	exportIDs map[uint16]string // export id -> volume id, including reservations
 	projects  map[uint32]string // project id -> volume or snapshot id, including reservations
 	committed int64             // bytes promised to volumes and snapshots
-	// ready are the volumes whose storage this run has made usable:
-	// restored at start, created, or made usable at their first export.
-	// A volume published to no node at start is left out until something
-	// needs it (see servedAtStart), so a start costs what the attached
-	// volumes cost, not what all of them do.
-	ready map[string]bool
+	// exported are the volumes (by rel) whose export ganesha serves: those
+	// published to some node. Only they keep their storage in use (for the
+	// image storage: mounted, a loop device each); every other volume and
+	// every snapshot is idle, made usable for what needs it (a copy, a
+	// growth, a health check) and let go again (settle). A start serves
+	// only the published volumes (servedAtStart). So what the machine holds
+	// follows what nodes use, not how many volumes exist: a mount or a
+	// mkfs costs more the more loop devices are mounted.
+	exported map[string]bool
+	// inUse serializes, per rel, making storage usable and exporting it
+	// with letting it go: never an export of an unmounted directory.
+	inUse keylock.Set
 	// removals are deletions whose data is not gone yet, by id. Their
 	// export ids, project ids and bytes stay in the maps above meanwhile.
 	removals map[string]*removal
@@ -161,7 +178,7 @@ func NewController(ctx context.Context, cfg Config) (*Controller, error) {
 	}
 	c := &Controller{cfg: cfg, volumes: map[string]*volumeRecord{}, snapshots: map[string]*snapshotRecord{},
 		exportIDs: map[uint16]string{}, projects: map[uint32]string{}, removals: map[string]*removal{},
-		ready: map[string]bool{}}
+		exported: map[string]bool{}}
 	for _, d := range []string{c.dir("volumes"), c.dir("snapshots"), c.dir("meta", "volumes"), c.dir("meta", "snapshots"), cfg.ExportDir} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, err
@@ -329,7 +346,7 @@ func (c *Controller) prepareOffline(ctx context.Context) error {
 		if err := c.writeExportFile(rec); err != nil {
 			return err
 		}
-		c.ready[rec.Volume.ID] = true
+		c.exported[c.volumeRel(mustID(rec))] = true
 	}
 	return nil
 }
@@ -454,33 +471,135 @@ var (
 // for the image storage): the export must never reach ganesha before what
 // it exports is there.
 func (c *Controller) applyExport(ctx context.Context, rec *volumeRecord) error {
-	id, _ := volumeid.Parse(rec.Volume.ID)
-	if !c.isReady(rec.Volume.ID) {
-		if err := c.cfg.Storage.Ensure(ctx, c.volumeRel(id)); err != nil {
+	id, rel, unlock, err := c.lockInUse(ctx, rec)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	wasExported := c.isExported(rel)
+	if !wasExported {
+		if err := c.cfg.Storage.Ensure(ctx, rel); err != nil {
 			return status.Errorf(codes.Internal, "making the storage of %s usable before exporting it: %v", rec.Volume.ID, err)
 		}
-		c.mu.Lock()
-		c.ready[rec.Volume.ID] = true
-		c.mu.Unlock()
 	}
 	if err := c.writeExportFile(rec); err != nil {
+		if !wasExported {
+			c.idleLocked(ctx, rel)
+		}
 		return err
 	}
 	fpExportFileWritten.Hit()
 	if err := c.exporter.ApplyExport(ctx, c.exportFile(id), rec.ExportID); err != nil {
 		c.controlFailed(OpApplyExport)
+		if !wasExported {
+			c.undoFirstExport(ctx, rec)
+		}
 		return status.Errorf(codes.Unavailable, "ganesha refused the export of %s: %v", rec.Volume.ID, err)
 	}
 	fpExportApplied.Hit()
+	c.setExported(rel, true)
 	klog.V(2).InfoS("Export served", "volumeID", rec.Volume.ID, "exportID", rec.ExportID, "clients", clientList(rec))
 	return nil
 }
 
-// isReady reports whether this run has made volume id's storage usable.
-func (c *Controller) isReady(id string) bool {
+// lockInUse takes the inUse lock of rec's volume.
+func (c *Controller) lockInUse(ctx context.Context, rec *volumeRecord) (volumeid.ID, string, func(), error) {
+	id := mustID(rec)
+	rel := c.volumeRel(id)
+	unlock, err := c.inUse.Lock(ctx, rel)
+	if err != nil {
+		return id, rel, nil, status.Errorf(codes.Aborted, "waiting for other work on %s: %v", rec.Volume.ID, err)
+	}
+	return id, rel, unlock, nil
+}
+
+// undoFirstExport takes back a first export ganesha refused, with rel's
+// inUse lock held: the export (in case the refusal came after it was
+// made), its file (which a restarted ganesha would read) and the storage.
+// If the export cannot be confirmed gone, the storage stays mounted and the
+// volume counts as exported, so that nothing can serve the empty directory
+// beneath and the next unpublish removes it again.
+func (c *Controller) undoFirstExport(ctx context.Context, rec *volumeRecord) {
+	id := mustID(rec)
+	ctx = context.WithoutCancel(ctx)
+	if err := c.exporter.RemoveExport(ctx, rec.ExportID); err != nil && !ganesha.IsNotFound(err) {
+		klog.ErrorS(err, "ganesha refused an export and its removal; the volume stays mounted", "volumeID", rec.Volume.ID)
+		c.setExported(c.volumeRel(id), true)
+		return
+	}
+	if err := fsutil.RemoveDurably(c.exportFile(id)); err != nil {
+		klog.ErrorS(err, "Removing the export file of a refused export", "volumeID", rec.Volume.ID)
+	}
+	c.idleLocked(ctx, c.volumeRel(id))
+}
+
+// withdrawExport ends the export of a volume no node holds any more and
+// lets its storage go idle. Nothing is served wider meanwhile: the export
+// goes first, and a failure to let go of the storage only costs a mount.
+func (c *Controller) withdrawExport(ctx context.Context, rec *volumeRecord) error {
+	id, rel, unlock, err := c.lockInUse(ctx, rec)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	if !c.isExported(rel) {
+		return nil
+	}
+	if err := c.exporter.RemoveExport(ctx, rec.ExportID); err != nil && !ganesha.IsNotFound(err) {
+		c.controlFailed(OpRemoveExport)
+		return status.Errorf(codes.Unavailable, "removing the export of %s: %v", rec.Volume.ID, err)
+	}
+	c.setExported(rel, false)
+	if err := fsutil.RemoveDurably(c.exportFile(id)); err != nil {
+		return status.Errorf(codes.Internal, "removing the export file of %s: %v", rec.Volume.ID, err)
+	}
+	klog.V(2).InfoS("Export withdrawn: no node holds the volume", "volumeID", rec.Volume.ID, "exportID", rec.ExportID)
+	c.idleLocked(ctx, rel)
+	return nil
+}
+
+// settle lets rel's storage go idle unless its volume is exported: called
+// after work that made it usable (a copy, a growth, a health check).
+func (c *Controller) settle(ctx context.Context, rel string) {
+	unlock, err := c.inUse.Lock(context.WithoutCancel(ctx), rel)
+	if err != nil {
+		return
+	}
+	defer unlock()
+	if !c.isExported(rel) {
+		c.idleLocked(ctx, rel)
+	}
+}
+
+// idleLocked lets rel's storage go idle, with rel's inUse lock held. A
+// failure is logged, not returned: the storage stays usable, which costs
+// resources but loses nothing, and the next settle or start tries again.
+func (c *Controller) idleLocked(ctx context.Context, rel string) {
+	if err := c.cfg.Storage.Idle(context.WithoutCancel(ctx), rel); err != nil {
+		klog.ErrorS(err, "Letting an unused NFS volume's storage go", "path", c.dir(rel))
+	}
+}
+
+func (c *Controller) isExported(rel string) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.ready[id]
+	return c.exported[rel]
+}
+
+func (c *Controller) setExported(rel string, on bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if on {
+		c.exported[rel] = true
+	} else {
+		delete(c.exported, rel)
+	}
+}
+
+// mustID is the id of a loaded record (load checked it).
+func mustID(rec *volumeRecord) volumeid.ID {
+	id, _ := volumeid.Parse(rec.Volume.ID)
+	return id
 }
 
 // reserve promises bytes to owner and takes the lowest free export id (when
@@ -668,6 +787,7 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 	rel := c.volumeRel(spec.ID)
 	if srcRel != "" {
 		err = c.cfg.Storage.Copy(ctx, srcRel, rel, project, spec.CapacityBytes)
+		c.settle(ctx, srcRel)
 	} else {
 		err = c.cfg.Storage.Create(ctx, rel, project, spec.CapacityBytes)
 	}
@@ -695,13 +815,9 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 	fpCreateRecorded.Hit()
 	c.mu.Lock()
 	c.putVolume(rec)
-	c.ready[rec.Volume.ID] = true // Create and Copy leave it usable
 	c.mu.Unlock()
-	if err := c.applyExport(ctx, rec); err != nil {
-		// The record stands; a retried CreateVolume finds it, and the next
-		// start serves its (still client-less) export.
-		return nil, err
-	}
+	// No node holds it yet: it is exported at its first publish.
+	c.settle(ctx, rel)
 	out := rec.Volume
 	return &out, nil
 }
@@ -773,7 +889,6 @@ func (c *Controller) DeleteVolume(ctx context.Context, id volumeid.ID) error {
 	r := &removal{meta: c.volumeMeta(id), rel: c.volumeRel(id), exportID: rec.ExportID, project: rec.ProjectID, bytes: rec.Volume.CapacityBytes}
 	c.mu.Lock()
 	c.dropVolume(id.String())
-	delete(c.ready, id.String())
 	c.removals[id.String()] = r
 	c.mu.Unlock()
 	return c.finishRemoval(ctx, id.String(), r)
@@ -799,6 +914,7 @@ func (c *Controller) removalsCopy() map[string]*removal {
 // retry of the delete or the next start.
 func (c *Controller) finishRemoval(ctx context.Context, id string, r *removal) error {
 	if r.exportID != 0 {
+		c.setExported(r.rel, false)
 		if err := c.exporter.RemoveExport(ctx, r.exportID); err != nil && !ganesha.IsNotFound(err) {
 			c.controlFailed(OpRemoveExport)
 			return status.Errorf(codes.Unavailable, "removing the export of %s: %v", id, err)
@@ -851,12 +967,18 @@ func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachm
 		return nil, status.Errorf(codes.Internal, "recording the attachments of %s: %v", id, err)
 	}
 	fpAttachmentsRecorded.Hit()
-	if err := c.applyExport(ctx, rec); err != nil {
+	serve := c.applyExport
+	if len(attachments) == 0 {
+		serve = c.withdrawExport
+	}
+	if err := serve(ctx, rec); err != nil {
 		if rerr := fsutil.WriteJSONAtomic(c.volumeMeta(id), &old); rerr != nil {
 			klog.ErrorS(rerr, "Restoring a volume record after ganesha refused its export", "volumeID", id)
 		}
-		if rerr := c.applyExport(ctx, &old); rerr != nil {
-			klog.ErrorS(rerr, "Restoring an export after ganesha refused its update", "volumeID", id)
+		if len(old.Volume.Attachments) > 0 {
+			if rerr := c.applyExport(ctx, &old); rerr != nil {
+				klog.ErrorS(rerr, "Restoring an export after ganesha refused its update", "volumeID", id)
+			}
 		}
 		return nil, err
 	}
@@ -880,7 +1002,9 @@ func (c *Controller) ExpandVolume(ctx context.Context, id volumeid.ID, bytes int
 	if err := c.promise(growth); err != nil {
 		return nil, err
 	}
-	if err := c.cfg.Storage.Grow(ctx, c.volumeRel(id), rec.ProjectID, bytes); err != nil {
+	err = c.cfg.Storage.Grow(ctx, c.volumeRel(id), rec.ProjectID, bytes)
+	c.settle(ctx, c.volumeRel(id))
+	if err != nil {
 		c.commit(-growth)
 		return nil, status.Errorf(codes.Internal, "raising the limit of %s: %v", id, err)
 	}
@@ -915,16 +1039,17 @@ func (c *Controller) VolumeHealth(ctx context.Context, id volumeid.ID) (backend.
 	if _, err := os.Stat(c.dir(c.volumeRel(id))); err != nil {
 		return backend.Health{Abnormal: true, Condition: backend.DataLoss, Reason: "DataMissing", Message: fmt.Sprintf("the volume's directory is gone: %v", err)}, nil
 	}
-	// A volume not used since the start has no export file, rightly.
-	if c.isReady(rec.Volume.ID) {
+	// A volume no node holds has no export file, rightly.
+	if c.isExported(c.volumeRel(id)) {
 		if _, err := os.Stat(c.exportFile(id)); err != nil {
 			return backend.Health{Abnormal: true, Condition: backend.Inaccessible, Reason: "ExportMissing", Message: fmt.Sprintf("the volume's export file is gone: %v", err)}, nil
 		}
 	}
-	// Usage reads the volume's own filesystem (the image storage mounts a
-	// volume not served yet to do so): a volume whose data cannot be read
-	// is not reported healthy.
+	// Usage reads the volume's own filesystem (the image storage mounts an
+	// idle volume to do so): a volume whose data cannot be read is not
+	// reported healthy.
 	used, limit, err := c.cfg.Storage.Usage(ctx, c.volumeRel(id), rec.ProjectID)
+	c.settle(ctx, c.volumeRel(id))
 	if err != nil {
 		return backend.Health{Abnormal: true, Condition: backend.Inaccessible, Reason: "StorageUnreadable", Message: fmt.Sprintf("the volume's storage cannot be read: %v", err)}, nil
 	}
@@ -946,10 +1071,13 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 	if err != nil {
 		return nil, err
 	}
-	if err := c.cfg.Storage.Copy(ctx, c.volumeRel(source), c.snapshotRel(id), project, src.Volume.CapacityBytes); err != nil {
+	err = c.cfg.Storage.Copy(ctx, c.volumeRel(source), c.snapshotRel(id), project, src.Volume.CapacityBytes)
+	c.settle(ctx, c.volumeRel(source))
+	if err != nil {
 		c.release(0, project, src.Volume.CapacityBytes)
 		return nil, status.Errorf(codes.Internal, "copying %s: %v", source, err)
 	}
+	c.settle(ctx, c.snapshotRel(id)) // never exported
 	rec := &snapshotRecord{Snapshot: backend.Snapshot{
 		ID: id.String(), Name: name, SourceVolumeID: source.String(), SizeBytes: src.Volume.CapacityBytes, CreatedAt: time.Now().UTC(),
 		AccessType: src.Volume.AccessType, FsType: src.Volume.FsType,

@@ -75,7 +75,11 @@ func TestDeleteHoldsWhatUndeletedDataHolds_RecordingGanesha(t *testing.T) {
 	doomed, project := create("doomed")
 	id, _ := volumeid.Parse(doomed.ID)
 	// A file open in the volume keeps its filesystem busy: it cannot be
-	// unmounted, so its image cannot go.
+	// unmounted, so its image cannot go. (An idle volume is not mounted:
+	// Ensure mounts it, as a publish would.)
+	if err := storage.Ensure(ctx, "volumes/"+id.FileName()); err != nil {
+		t.Fatal(err)
+	}
 	busy, err := os.Open(filepath.Join(root, "volumes", id.FileName()))
 	if err != nil {
 		t.Fatal(err)

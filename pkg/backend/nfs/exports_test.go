@@ -214,7 +214,20 @@ func TestExportsOpenOnlyToPublishedNodes(t *testing.T) {
 	}
 
 	vol := create("follows", nil)
-	check("created", vol, map[string]string{}, "root_squash")
+	// unserved: a volume no node holds has no export at all, neither in a
+	// file a restarted ganesha would read nor in ganesha.
+	unserved := func(step string, id volumeid.ID) {
+		t.Helper()
+		if _, err := os.Stat(filepath.Join(exportDir, id.FileName()+".conf")); !os.IsNotExist(err) {
+			t.Errorf("%s: the export file is there (%v); want none while no node holds the volume", step, err)
+		}
+		for eid, conf := range g.applied {
+			if strings.Contains(conf, id.FileName()) {
+				t.Errorf("%s: ganesha still serves export %d of the volume", step, eid)
+			}
+		}
+	}
+	unserved("created", vol)
 	attach("published to n1", vol, rw(n1))
 	check("published to n1", vol, map[string]string{"10.0.0.11": "RW"}, "root_squash")
 	attach("published to n1 and n2 (ro)", vol, rw(n1), ro(n2))
@@ -235,7 +248,10 @@ func TestExportsOpenOnlyToPublishedNodes(t *testing.T) {
 		check("after a refused publish", vol, map[string]string{"fd00::12": "RO"}, "root_squash")
 	}
 	attach("unpublished everywhere", vol)
-	check("unpublished everywhere", vol, map[string]string{}, "root_squash")
+	unserved("unpublished everywhere", vol)
+	attach("published again", vol, ro(n2))
+	check("published again", vol, map[string]string{"fd00::12": "RO"}, "root_squash")
+	attach("unpublished everywhere again", vol)
 
 	// Squashing: on by default, off only for a value that reads as false.
 	for _, tc := range []struct {

@@ -34,6 +34,11 @@ func (l loggingStorage) Ensure(_ context.Context, rel string) error {
 	return nil
 }
 
+func (l loggingStorage) Idle(_ context.Context, rel string) error {
+	*l.log = append(*l.log, "idle "+rel)
+	return nil
+}
+
 // loggingGanesha serves what it was given, across controller restarts (a
 // ganesha that outlived the controller), and logs each call.
 type loggingGanesha struct {
@@ -61,11 +66,14 @@ func (g *loggingGanesha) Exports(context.Context) ([]ganesha.ExportInfo, error) 
 	return out, nil
 }
 
-// A start serves only the volumes published to some node: only their
-// storage is restored and only they are exported. Every other volume is
-// made usable and exported at its first publish, storage before export,
-// and the rest of its life works as before.
-func TestStartServesOnlyPublishedVolumes(t *testing.T) {
+// Only volumes published to some node are exported and keep their storage
+// in use; every other volume and every snapshot is idle. A start restores
+// and exports the published ones only (and drops exports a ganesha that
+// outlived the controller still serves for others); a first publish makes
+// the storage usable before exporting it; the last unpublish withdraws the
+// export before letting the storage go; work on an idle volume lets it go
+// again afterwards.
+func TestOnlyPublishedVolumesAreServed(t *testing.T) {
 	ctx := context.Background()
 	root, exportDir := t.TempDir(), t.TempDir()
 	var log []string
@@ -85,69 +93,86 @@ func TestStartServesOnlyPublishedVolumes(t *testing.T) {
 	ctrl := start()
 	node := accessmode.Attachment{NodeID: nodeid.Node{Name: "n1", Zone: "zone-a", Address: "10.0.0.11"}.String(), Mode: accessmode.MultiNodeMultiWriter}
 	ids := map[string]volumeid.ID{}
+	rel := func(name string) string { return "volumes/" + ids[name].FileName() }
+	conf := func(name string) string { return ids[name].FileName() + ".conf" }
+	expect := func(step string, want ...string) {
+		t.Helper()
+		got := slices.Clone(log)
+		slices.Sort(got)
+		slices.Sort(want)
+		if !slices.Equal(got, want) {
+			t.Errorf("%s did %q; want exactly %q", step, got, want)
+		}
+		log = nil
+	}
+
 	for _, name := range []string{"held", "idle", "idle2"} {
 		ids[name] = createMultiWriter(t, ctx, ctrl, name)
+		expect("create "+name, "idle "+rel(name))
 	}
 	if _, err := ctrl.SetAttachments(ctx, ids["held"], []accessmode.Attachment{node}); err != nil {
 		t.Fatal(err)
 	}
-	rel := func(name string) string { return "volumes/" + ids[name].FileName() }
-	conf := func(name string) string { return ids[name].FileName() + ".conf" }
+	expect("first publish", "ensure "+rel("held"), "apply "+conf("held"))
+	// ganesha outlives the controller still serving an export for idle2
+	// (export ids are handed out lowest first: held 1, idle 2, idle2 3).
+	g.served[3] = filepath.Join(exportDir, conf("idle2"))
 
-	log = nil
 	ctrl = start()
-	want := []string{"restore " + rel("held"), "remove " + conf("idle"), "remove " + conf("idle2"), "apply " + conf("held")}
-	got := slices.Clone(log)
-	slices.Sort(got)
-	slices.Sort(want)
-	if !slices.Equal(got, want) {
-		t.Errorf("a start did %q; want exactly %q (only the published volume restored and exported, the idle ones' stale exports removed)", got, want)
-	}
+	expect("a start", "restore "+rel("held"), "apply "+conf("held"), "remove "+conf("idle2"))
 	for name, wantFile := range map[string]bool{"held": true, "idle": false, "idle2": false} {
 		if _, err := os.Stat(filepath.Join(exportDir, conf(name))); (err == nil) != wantFile {
 			t.Errorf("after the start, the export file of %s: %v; want it there: %v", name, err, wantFile)
 		}
 	}
 
-	// The first publish of an idle volume: storage first, then its export.
-	log = nil
 	if _, err := ctrl.SetAttachments(ctx, ids["idle"], []accessmode.Attachment{node}); err != nil {
 		t.Fatal(err)
 	}
-	if want := []string{"ensure " + rel("idle"), "apply " + conf("idle")}; !slices.Equal(log, want) {
-		t.Errorf("first publish of an idle volume did %q, want %q", log, want)
+	expect("first publish after the start", "ensure "+rel("idle"), "apply "+conf("idle"))
+	if _, err := ctrl.SetAttachments(ctx, ids["idle"], []accessmode.Attachment{node, {NodeID: nodeid.Node{Name: "n2", Zone: "zone-a", Address: "10.0.0.12"}.String(), Mode: accessmode.MultiNodeMultiWriter}}); err != nil {
+		t.Fatal(err)
 	}
-	// Served from then on: the next change is an export update only.
-	log = nil
+	expect("a second node", "apply "+conf("idle"))
 	if _, err := ctrl.SetAttachments(ctx, ids["idle"], nil); err != nil {
 		t.Fatal(err)
 	}
-	if want := []string{"apply " + conf("idle")}; !slices.Equal(log, want) {
-		t.Errorf("unpublish of a served volume did %q, want %q", log, want)
+	expect("the last unpublish", "remove "+conf("idle"), "idle "+rel("idle"))
+	if _, err := os.Stat(filepath.Join(exportDir, conf("idle"))); !os.IsNotExist(err) {
+		t.Errorf("the export file of a volume no node holds: %v, want it removed", err)
 	}
 
-	// The other idle volume lives on without being served: expanded,
-	// checked, snapshotted and deleted.
+	// An idle volume lives on: expanded, checked, snapshotted, cloned and
+	// deleted, let go after each.
 	if _, err := ctrl.ExpandVolume(ctx, ids["idle2"], 2<<20); err != nil {
-		t.Errorf("expanding a volume not served since the start: %v", err)
+		t.Errorf("expanding an idle volume: %v", err)
 	}
+	expect("expand", "idle "+rel("idle2"))
 	if h, err := ctrl.VolumeHealth(ctx, ids["idle2"]); err != nil || h.Abnormal {
-		t.Errorf("health of a volume not served since the start: %+v, %v; want healthy (no export file is expected)", h, err)
+		t.Errorf("health of an idle volume: %+v, %v; want healthy (no export file is expected)", h, err)
 	}
+	expect("health", "idle "+rel("idle2"))
 	snap, err := volumeid.New(accessmode.BackendNFS, "", volumeid.Snapshot, volumeid.KeyFor("test", volumeid.Snapshot, "s"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if _, err := ctrl.CreateSnapshot(ctx, snap, "s", ids["idle2"]); err != nil {
-		t.Errorf("snapshot of a volume not served since the start: %v", err)
+		t.Errorf("snapshot of an idle volume: %v", err)
 	}
+	expect("snapshot", "idle "+rel("idle2"), "idle snapshots/"+snap.FileName())
+	// A published volume's storage stays in use after a snapshot of it.
+	snap2, err := volumeid.New(accessmode.BackendNFS, "", volumeid.Snapshot, volumeid.KeyFor("test", volumeid.Snapshot, "s2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ctrl.CreateSnapshot(ctx, snap2, "s2", ids["held"]); err != nil {
+		t.Errorf("snapshot of a published volume: %v", err)
+	}
+	expect("snapshot of a published volume", "idle snapshots/"+snap2.FileName())
 	if err := ctrl.DeleteVolume(ctx, ids["idle2"]); err != nil {
-		t.Errorf("deleting a volume not served since the start: %v", err)
+		t.Errorf("deleting an idle volume: %v", err)
 	}
-	if _, err := ctrl.Volume(ctx, ids["idle2"]); err == nil {
-		t.Error("the deleted volume is still there")
-	}
-	if len(g.served) != 2 {
-		t.Errorf("ganesha serves %d exports, want 2 (held and idle): %s", len(g.served), fmt.Sprint(g.served))
+	if len(g.served) != 1 {
+		t.Errorf("ganesha serves %d exports, want 1 (held): %s", len(g.served), fmt.Sprint(g.served))
 	}
 }

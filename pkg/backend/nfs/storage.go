@@ -44,6 +44,10 @@ type Storage interface {
 	// start. The other methods do the same for the objects they touch, so
 	// this is for callers that use the object's directory directly.
 	Ensure(ctx context.Context, rel string) error
+	// Idle lets go of what one object holds while nothing uses it (the
+	// image storage unmounts it and detaches its loop device); the next
+	// Ensure, Grow, Copy or Usage makes it usable again.
+	Idle(ctx context.Context, rel string) error
 	// Prune removes every object whose rel is not in keep.
 	Prune(ctx context.Context, keep map[string]bool) ([]string, error)
 	// Release lets go of what the storage holds (mounts, loop devices).
@@ -100,6 +104,9 @@ func (q *quotaStorage) Restore(ctx context.Context, rels []string) error {
 func (q *quotaStorage) Ensure(ctx context.Context, rel string) error {
 	return q.Restore(ctx, []string{rel})
 }
+
+// Idle has nothing to let go: every object lives in the one filesystem.
+func (q *quotaStorage) Idle(context.Context, string) error { return nil }
 
 func (q *quotaStorage) Prune(ctx context.Context, keep map[string]bool) ([]string, error) {
 	var removed []string
@@ -166,6 +173,9 @@ func (i *imageStorage) Restore(ctx context.Context, rels []string) error {
 }
 func (i *imageStorage) Ensure(ctx context.Context, rel string) error {
 	return i.store.Restore(ctx, rel)
+}
+func (i *imageStorage) Idle(ctx context.Context, rel string) error {
+	return i.store.Unmount(ctx, rel)
 }
 func (i *imageStorage) Prune(ctx context.Context, keep map[string]bool) ([]string, error) {
 	return i.store.Prune(ctx, keep)

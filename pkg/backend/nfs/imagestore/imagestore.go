@@ -320,7 +320,12 @@ func (s *Store) Create(ctx context.Context, rel string, limit int64) error {
 		return fmt.Errorf("imagestore: %w", err)
 	}
 
-	mountedNow, err := s.mount(ctx, rel)
+	mountedNow := true
+	if created {
+		err = s.mountFresh(ctx, rel)
+	} else {
+		mountedNow, err = s.mount(ctx, rel)
+	}
 	if err == nil && (created || pristine(mnt)) {
 		// mkfs.xfs makes the root directory 0755 root:root.
 		if cerr := os.Chmod(mnt, RootDirMode); cerr != nil {
@@ -445,13 +450,9 @@ func (s *Store) checkMountPoint(rel string) error {
 			return fmt.Errorf("imagestore: %s exists and is not a directory (a symlink is refused too)", p)
 		}
 	}
-	mounts, err := mtab.All()
-	if err != nil {
-		return err
-	}
 	mnt := s.mountPath(rel)
-	if top := mtab.TopAt(mounts, mnt); top != nil {
-		return fmt.Errorf("imagestore: %s is already mounted (from %s) but %s has no image", mnt, top.Source, rel)
+	if err := notMountedOn(mnt); err != nil {
+		return err
 	}
 	return emptyDir(mnt)
 }
@@ -570,15 +571,24 @@ func (s *Store) mountSeeing(ctx context.Context, rel string, mounts []*mtab.Moun
 			}
 		}
 	}
+	if err := attachAndMount(ctx, image, mnt, dev); err != nil {
+		return false, err
+	}
+	return true, nil
+}
+
+// attachAndMount mounts image at mnt through dev, or through a loop device
+// it attaches when dev is "" (and detaches again if the mount fails).
+func attachAndMount(ctx context.Context, image, mnt, dev string) error {
 	fs, err := filesystemOf(image)
 	if err != nil {
-		return false, err
+		return err
 	}
 	attachedNow := false
 	if dev == "" {
 		d, err := loop.Attach(ctx, image, false)
 		if err != nil {
-			return false, fmt.Errorf("imagestore: attaching %s: %w", image, err)
+			return fmt.Errorf("imagestore: attaching %s: %w", image, err)
 		}
 		dev, attachedNow = d.Path, true
 		if !d.DirectIO {
@@ -594,14 +604,57 @@ func (s *Store) mountSeeing(ctx context.Context, rel string, mounts []*mtab.Moun
 	}
 	if err := unix.Mount(dev, mnt, string(fs), mountFlags, fs.mountOptions()); err != nil {
 		undoAttach()
-		return false, fmt.Errorf("imagestore: mount -t %s -o nodev,nosuid,%s %s %s: %w (the kernel log, dmesg, tells why)", fs, fs.mountOptions(), dev, mnt, err)
+		return fmt.Errorf("imagestore: mount -t %s -o nodev,nosuid,%s %s %s: %w (the kernel log, dmesg, tells why)", fs, fs.mountOptions(), dev, mnt, err)
 	}
 	if err := mountedFrom(mnt, dev); err != nil {
 		_ = unix.Unmount(mnt, unix.UMOUNT_NOFOLLOW)
 		undoAttach()
-		return false, err
+		return err
 	}
-	return true, nil
+	return nil
+}
+
+// mountFresh mounts the image Create has just formatted. No loop device can
+// be bound to a file that did not exist a moment ago, and the mount point
+// must be an empty directory with nothing mounted on it, which one statx
+// tells: so neither the mount table nor the loop devices are read, which
+// would make each create cost more the more volumes are mounted.
+func (s *Store) mountFresh(ctx context.Context, rel string) error {
+	image, mnt := s.imagePath(rel), s.mountPath(rel)
+	if err := s.makeMountPoint(rel); err != nil {
+		return err
+	}
+	if err := notMountedOn(mnt); err != nil {
+		return err
+	}
+	if err := emptyDir(mnt); err != nil {
+		return err
+	}
+	return attachAndMount(ctx, image, mnt, "")
+}
+
+// notMountedOn fails if something is mounted at dir. statx says so
+// directly; on a kernel that does not report it (before 5.8) the mount
+// table decides.
+func notMountedOn(dir string) error {
+	var stx unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, dir, unix.AT_SYMLINK_NOFOLLOW, unix.STATX_BASIC_STATS, &stx); err != nil {
+		return fmt.Errorf("imagestore: %w", err)
+	}
+	if stx.Attributes_mask&unix.STATX_ATTR_MOUNT_ROOT != 0 {
+		if stx.Attributes&unix.STATX_ATTR_MOUNT_ROOT != 0 {
+			return fmt.Errorf("imagestore: %s is a mount point already, but its image is new", dir)
+		}
+		return nil
+	}
+	mounts, err := mtab.All()
+	if err != nil {
+		return err
+	}
+	if top := mtab.TopAt(mounts, dir); top != nil {
+		return fmt.Errorf("imagestore: %s is mounted from %s already, but its image is new", dir, top.Source)
+	}
+	return nil
 }
 
 // mountedFrom checks that the filesystem at mnt is the one on dev: a
@@ -685,6 +738,11 @@ func detachAll(ctx context.Context, image string) error {
 // fine; a second Remove does nothing. A mount point that is still in use
 // (exported) fails with EBUSY and everything stays.
 func (s *Store) Remove(ctx context.Context, rel string) error {
+	return s.withRel(ctx, rel, s.remove)
+}
+
+// withRel runs f on a valid rel with its lock held.
+func (s *Store) withRel(ctx context.Context, rel string, f func(context.Context, string) error) error {
 	if err := checkRel(rel); err != nil {
 		return err
 	}
@@ -693,15 +751,12 @@ func (s *Store) Remove(ctx context.Context, rel string) error {
 		return err
 	}
 	defer unlock()
-	return s.remove(ctx, rel)
+	return f(ctx, rel)
 }
 
 func (s *Store) remove(ctx context.Context, rel string) error {
 	image, mnt := s.imagePath(rel), s.mountPath(rel)
-	if err := unmountAll(mnt, func(dev string) bool { return backingPath(dev) == image }); err != nil {
-		return err
-	}
-	if err := detachAll(ctx, image); err != nil {
+	if err := s.unmount(ctx, rel); err != nil {
 		return err
 	}
 	// The mount point goes before the image, so that a crash in between
@@ -718,6 +773,23 @@ func (s *Store) remove(ctx context.Context, rel string) error {
 		return fmt.Errorf("imagestore: %w", err)
 	}
 	return nil
+}
+
+// Unmount lets go of rel's mount and loop device while nothing uses it:
+// the image stays, and Restore, Grow, Copy or Usage mount it again. As for
+// Remove, a mount point still in use (exported) fails with EBUSY and stays
+// mounted, and something other than rel's image mounted there is an error.
+func (s *Store) Unmount(ctx context.Context, rel string) error {
+	return s.withRel(ctx, rel, s.unmount)
+}
+
+// unmount is Unmount with rel's lock held.
+func (s *Store) unmount(ctx context.Context, rel string) error {
+	image, mnt := s.imagePath(rel), s.mountPath(rel)
+	if err := unmountAll(mnt, func(dev string) bool { return backingPath(dev) == image }); err != nil {
+		return err
+	}
+	return detachAll(ctx, image)
 }
 
 // Grow enlarges rel's image to limit (rounded down to whole 4 KiB; a
@@ -889,10 +961,6 @@ func (s *Store) Copy(ctx context.Context, srcRel, dstRel string, limit int64) (e
 	if !srcSt.Mode().IsRegular() {
 		return fmt.Errorf("imagestore: %s is not a regular file", s.imagePath(srcRel))
 	}
-	// The files are read through the source's mount.
-	if err := s.Restore(ctx, srcRel); err != nil {
-		return err
-	}
 	if err := s.Create(ctx, dstRel, max(srcSt.Size(), alignDown(limit))); err != nil {
 		return err
 	}
@@ -908,6 +976,12 @@ func (s *Store) Copy(ctx context.Context, srcRel, dstRel string, limit int64) (e
 		return err
 	}
 	defer unlock()
+	// The files are read through the source's mount, made (or checked)
+	// under the source's lock: an Unmount between the two would leave the
+	// freeze below to the filesystem the mount point lies in.
+	if err := s.restoreLocked(ctx, srcRel); err != nil {
+		return err
+	}
 	srcMnt, dstMnt := s.mountPath(srcRel), s.mountPath(dstRel)
 	if err := freeze(srcMnt); err != nil {
 		return err
@@ -1014,15 +1088,7 @@ var errNotMounted = errors.New("not mounted (Restore mounts it)")
 // frozen (by a Copy interrupted by a crash) is thawed. The image must
 // exist: a missing one is an error that wraps os.ErrNotExist.
 func (s *Store) Restore(ctx context.Context, rel string) error {
-	if err := checkRel(rel); err != nil {
-		return err
-	}
-	unlock, err := s.lock(ctx, rel)
-	if err != nil {
-		return err
-	}
-	defer unlock()
-	return s.restoreLocked(ctx, rel)
+	return s.withRel(ctx, rel, s.restoreLocked)
 }
 
 // restoreLocked is Restore with rel's lock held.
@@ -1206,6 +1272,10 @@ func (s *Store) detachOrphans(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("imagestore: listing loop devices: %w", err)
 	}
+	mounts, err := mtab.All()
+	if err != nil {
+		return err
+	}
 	var errs []error
 	for _, a := range all {
 		path, deleted := strings.CutSuffix(a.BackingFile, loop.DeletedSuffix)
@@ -1217,7 +1287,13 @@ func (s *Store) detachOrphans(ctx context.Context) error {
 				continue
 			}
 		}
-		if err := detachAll(ctx, path); err != nil {
+		// This device alone: a new image of the same name may be bound
+		// to another one, mounted and in use.
+		if mp := mountPointsOf(mounts, a.Device); len(mp) > 0 {
+			errs = append(errs, fmt.Errorf("imagestore: %s (bound to the deleted %s) is still mounted at %s; not detaching it", a.Device, path, strings.Join(mp, ", ")))
+			continue
+		}
+		if err := detach(ctx, a.Device, path); err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -740,13 +740,21 @@ func TestStaleDeviceNotReused(t *testing.T) {
 	if err := s.Create(ctx, rel, 300*MiB); err != nil {
 		t.Fatal(err)
 	}
-	checkMounted(t, s, rel)
+	if m := mountAt(t, mnt); m == nil || m.Source == old {
+		t.Fatalf("the new volume is mounted from %v, want a device other than %s, the deleted image's", m, old)
+	}
 	if _, err := os.Stat(filepath.Join(mnt, "old")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("new volume shows the deleted one's data: %v", err)
 	}
-	if backing, _ := os.ReadFile("/sys/block/" + filepath.Base(old) + "/loop/backing_file"); strings.Contains(string(backing), image) && strings.Contains(string(backing), loop.DeletedSuffix) {
-		t.Errorf("%s is still bound to the deleted image", old)
+	// The leftover device itself goes at the next start's Prune (a create
+	// does not read the loop devices: see mountFresh).
+	if _, err := s.Prune(ctx, map[string]bool{rel: true}); err != nil {
+		t.Fatal(err)
 	}
+	if backing, _ := os.ReadFile("/sys/block/" + filepath.Base(old) + "/loop/backing_file"); strings.Contains(string(backing), image) && strings.Contains(string(backing), loop.DeletedSuffix) {
+		t.Errorf("%s is still bound to the deleted image after Prune", old)
+	}
+	checkMounted(t, s, rel) // the new volume's one device, mounted; none stale
 }
 
 func TestRestore(t *testing.T) {
@@ -1003,6 +1011,35 @@ func TestRestoreRefusesNonEmptyMountPoint(t *testing.T) {
 	checkMounted(t, s, rel)
 }
 
+// A new volume's mount point with something mounted on it (a bind mount of
+// the same filesystem, which no device number comparison would see) is
+// refused before anything is formatted.
+func TestCreateRefusesAMountedMountPoint(t *testing.T) {
+	s := newStore(t)
+	ctx := context.Background()
+	const rel = "volumes/taken"
+	if err := s.makeMountPoint(rel); err != nil {
+		t.Fatal(err)
+	}
+	mnt := s.mountPath(rel)
+	if err := unix.Mount(s.images, mnt, "", unix.MS_BIND, ""); err != nil {
+		t.Fatal(err)
+	}
+	err := s.Create(ctx, rel, 300*MiB)
+	if uerr := unix.Unmount(mnt, 0); uerr != nil {
+		t.Fatal(uerr)
+	}
+	if err == nil || !strings.Contains(err.Error(), "mount point already") {
+		t.Errorf("Create onto a mount point in use: %v", err)
+	}
+	if _, err := os.Lstat(s.imagePath(rel)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a refused Create left an image: %v", err)
+	}
+	if err := notMountedOn(mnt); err != nil {
+		t.Errorf("after the unmount: %v", err)
+	}
+}
+
 func TestPrune(t *testing.T) {
 	s := newStore(t)
 	ctx := context.Background()
@@ -1168,5 +1205,48 @@ func TestOpen(t *testing.T) {
 	}
 	if _, err := Open(context.Background(), dir2, XFS); err == nil {
 		t.Error("Open accepted an images symlink")
+	}
+}
+
+// Unmount lets an unused volume go (no mount, no loop device) and keeps its
+// data for the next use; a busy one stays mounted.
+func TestUnmountKeepsTheImage(t *testing.T) {
+	s := newStore(t)
+	ctx := context.Background()
+	const rel = "volumes/resting"
+	if err := s.Create(ctx, rel, 300*MiB); err != nil {
+		t.Fatal(err)
+	}
+	mnt := s.mountPath(rel)
+	if err := os.WriteFile(filepath.Join(mnt, "kept"), []byte("kept"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	busy, err := os.Open(filepath.Join(mnt, "kept"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = s.Unmount(ctx, rel)
+	busy.Close()
+	if !errors.Is(err, unix.EBUSY) {
+		t.Errorf("Unmount of a volume with an open file: %v, want EBUSY", err)
+	}
+	checkMounted(t, s, rel)
+	if err := s.Unmount(ctx, rel); err != nil {
+		t.Fatal(err)
+	}
+	if m := mountAt(t, mnt); m != nil {
+		t.Errorf("still mounted from %s after Unmount", m.Source)
+	}
+	if devs := devicesOf(t, s.imagePath(rel)); len(devs) != 0 {
+		t.Errorf("loop devices still bound after Unmount: %v", devs)
+	}
+	if err := s.Unmount(ctx, rel); err != nil {
+		t.Errorf("a second Unmount: %v", err)
+	}
+	if _, _, err := s.Usage(ctx, rel); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(filepath.Join(mnt, "kept")); err != nil || string(b) != "kept" {
+		t.Errorf("data after Unmount and a new use: %q %v", b, err)
 	}
 }
