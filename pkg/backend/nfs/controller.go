@@ -163,9 +163,10 @@ var _ backend.Controller = (*Controller)(nil)
 
 // NewController loads every record, makes the storage of the volumes
 // published to some node usable and renders their export files from the
-// records, removing every other export file (see servedAtStart). It tells no ganesha anything: this is what must be on disk
-// before ganesha starts, so that it comes up serving exactly the recorded
-// exports. Start completes the work once ganesha runs.
+// records, removing every other export file (see servedAtStart). It tells
+// no ganesha anything: this is what must be on disk before ganesha starts,
+// so that it comes up serving exactly the recorded exports. Start completes
+// the work once ganesha runs.
 func NewController(ctx context.Context, cfg Config) (*Controller, error) {
 	if cfg.Storage == nil || cfg.ExportDir == "" {
 		return nil, errors.New("nfs: storage and export directory are required")
