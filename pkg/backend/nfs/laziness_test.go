@@ -39,11 +39,16 @@ func (l loggingStorage) Idle(_ context.Context, rel string) error {
 	return nil
 }
 
-// loggingGanesha serves what it was given, across controller restarts (a
+// loggingGanesha stands in for ganesha where none can run or none is
+// needed: it serves what it was given, across controller restarts (a
 // ganesha that outlived the controller), and logs each call.
 type loggingGanesha struct {
 	served map[uint16]string // export id -> export file path
 	log    *[]string
+}
+
+func newLoggingGanesha(log *[]string) *loggingGanesha {
+	return &loggingGanesha{served: map[uint16]string{}, log: log}
 }
 
 func (g *loggingGanesha) ApplyExport(_ context.Context, confPath string, id uint16) error {
@@ -73,12 +78,12 @@ func (g *loggingGanesha) Exports(context.Context) ([]ganesha.ExportInfo, error) 
 // the storage usable before exporting it; the last unpublish withdraws the
 // export before letting the storage go; work on an idle volume lets it go
 // again afterwards.
-func TestOnlyPublishedVolumesAreServed(t *testing.T) {
+func TestOnlyPublishedVolumesAreServed_LoggingGanesha(t *testing.T) {
 	ctx := context.Background()
 	root, exportDir := t.TempDir(), t.TempDir()
 	var log []string
 	storage := loggingStorage{dirStorage{root}, &log}
-	g := &loggingGanesha{served: map[uint16]string{}, log: &log}
+	g := newLoggingGanesha(&log)
 	start := func() *nfs.Controller {
 		t.Helper()
 		ctrl, err := nfs.NewController(ctx, nfs.Config{Storage: storage, ExportDir: exportDir, Server: "10.0.0.1"})

@@ -18,7 +18,7 @@ import (
 // Options are the controller's NFS flags.
 type Options struct {
 	// Storage is how sizes are limited: "quota" (xfs project quotas),
-	// "images" (one loop-mounted xfs image per volume) or "auto" (quota
+	// "images" (one loop-mounted image per volume) or "auto" (quota
 	// where the kernel's xfs supports it, images otherwise).
 	Storage string
 	// ImageFilesystem is what the image storage formats new volumes

@@ -14,7 +14,6 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
-	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha"
 	"github.com/modeguard/modeguard/pkg/backend/nfs/projquota"
 	"github.com/modeguard/modeguard/pkg/localcluster"
 	"github.com/modeguard/modeguard/pkg/nodeid"
@@ -44,8 +43,9 @@ const startScalePoolSize = int64(1) << 30
 //	VM_TEST_PKG=pkg/backend/nfs VM_TEST_RACE=0 VM_TEST_TIMEOUT=3600 bash test/vm/projquota.sh \
 //		-test.run '^$' -test.bench BenchmarkControllerStartQuotaStorage -test.benchtime 3x
 //
-// ganesha is the in-memory stand-in (see inMemoryExporterStandIn), so this
-// measures the records and the storage, not D-Bus calls.
+// ganesha is the in-memory stand-in loggingGanesha (ganesha cannot run in
+// the VM: no D-Bus or network set-up there), so this measures the records
+// and the storage, not D-Bus calls.
 func BenchmarkControllerStartQuotaStorage(b *testing.B) {
 	for _, n := range []int{500, 5000} {
 		b.Run(fmt.Sprintf("volumes=%d", n), func(b *testing.B) {
@@ -59,7 +59,7 @@ func BenchmarkControllerStartQuotaStorage(b *testing.B) {
 					b.Fatal(err)
 				}
 				// A restarted controller starts its ganesha afresh.
-				if err := ctrl.Start(ctx, newInMemoryExporterStandIn()); err != nil {
+				if err := ctrl.Start(ctx, newLoggingGanesha(new([]string))); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -108,7 +108,7 @@ func startScaleSetUp(b *testing.B, ctx context.Context, n int) (*projquota.Pool,
 	if err != nil {
 		b.Fatal(err)
 	}
-	if err := ctrl.Start(ctx, newInMemoryExporterStandIn()); err != nil {
+	if err := ctrl.Start(ctx, newLoggingGanesha(new([]string))); err != nil {
 		b.Fatal(err)
 	}
 	ids := make([]volumeid.ID, n)
@@ -193,42 +193,4 @@ func startScaleCheckNothingLeft(b *testing.B, dir string) {
 	for _, l := range localcluster.LoopsUnder(real) {
 		b.Errorf("left attached: %s", l)
 	}
-}
-
-// inMemoryExporterStandIn stands in for ganesha: it keeps the exports it is
-// told about in memory and checks nothing. ganesha cannot run in the VM the
-// quota benchmark needs (no D-Bus or network set-up there), and its calls
-// are measured on the host by test/bench; this leaves the records and the
-// storage as what a start costs.
-type inMemoryExporterStandIn struct {
-	mu      sync.Mutex
-	exports map[uint16]bool // the export ids served
-}
-
-func newInMemoryExporterStandIn() *inMemoryExporterStandIn {
-	return &inMemoryExporterStandIn{exports: map[uint16]bool{}}
-}
-
-func (e *inMemoryExporterStandIn) ApplyExport(_ context.Context, _ string, id uint16) error {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	e.exports[id] = true
-	return nil
-}
-
-func (e *inMemoryExporterStandIn) RemoveExport(_ context.Context, id uint16) error {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	delete(e.exports, id)
-	return nil
-}
-
-func (e *inMemoryExporterStandIn) Exports(context.Context) ([]ganesha.ExportInfo, error) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	out := make([]ganesha.ExportInfo, 0, len(e.exports))
-	for id := range e.exports {
-		out = append(out, ganesha.ExportInfo{ID: id})
-	}
-	return out, nil
 }

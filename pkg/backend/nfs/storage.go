@@ -15,10 +15,10 @@ import (
 //
 // Two implementations exist: xfs project quotas on one shared filesystem
 // (package projquota; preferred: limits change instantly, copies are
-// reflinks, nothing to re-attach at start) and one xfs image per object,
-// loop-mounted (package imagestore; works on kernels without xfs quota
-// support, at the cost of a 300 MiB minimum size and a loop device per
-// object).
+// reflinks, nothing to re-attach at start) and one xfs or ext4 image per
+// object, loop-mounted while in use (package imagestore; works on kernels
+// without xfs quota support, at the cost of a minimum size, 300 MiB for
+// xfs and 16 MiB for ext4, and a loop device per object in use).
 type Storage interface {
 	Root() string
 	// MinSize is the smallest object the storage can make.
