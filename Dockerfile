@@ -8,9 +8,10 @@ COPY . .
 ARG VERSION=dev
 RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X main.version=${VERSION}" -o /out/modeguard ./cmd/modeguard
 
-# Runtime, one image for both roles: what the node plugin calls (losetup,
-# mount, blkid, mkfs, resize, mount.nfs4) and what the controller runs for
-# NFS (nfs-ganesha with its VFS backend, a private D-Bus daemon).
+# Runtime, one image for both roles: what the node plugin calls (mount,
+# blkid, mkfs, resize, mount.nfs4; loop devices are bound by ioctl) and what
+# the controller runs for NFS (nfs-ganesha with its VFS backend, a private
+# D-Bus daemon).
 FROM debian:bookworm-slim
 RUN apt-get update \
  && apt-get install -y --no-install-recommends util-linux mount e2fsprogs xfsprogs coreutils \

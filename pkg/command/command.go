@@ -1,4 +1,4 @@
-// Package command runs the tools the driver drives (losetup, mkfs, cp,
+// Package command runs the tools the driver drives (mkfs, cp, resize2fs,
 // xfs_quota, ...) without a shell, and makes their failures say what ran
 // and what the tool said, which is where these tools explain.
 package command

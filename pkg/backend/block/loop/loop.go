@@ -14,15 +14,13 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
-	"slices"
+	"strconv"
 	"strings"
 	"unsafe"
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
-
-	"github.com/modeguard/modeguard/pkg/command"
 )
 
 var devicePattern = regexp.MustCompile(`^/dev/loop[0-9]+$`)
@@ -51,91 +49,128 @@ type Device struct {
 // without it every block is cached twice (once for the image file, once
 // for the loop device), and falls back to buffered I/O where the
 // filesystem holding the image refuses O_DIRECT.
+//
+// It talks to the loop driver itself (LOOP_CTL_GET_FREE, LOOP_CONFIGURE)
+// rather than running losetup: an attach is on the path of every first NFS
+// publish and every block stage, and the exec was most of its time.
 func Attach(ctx context.Context, image string, readOnly bool) (Device, error) {
 	return attach(ctx, "", image, readOnly)
 }
 
-// attach binds image to dev, or to a free device when dev is "" (losetup
-// --find --show), as Attach describes.
+// freeRetries bounds how often an attach asks for another free device when
+// the one it was given is taken by someone else before it binds it.
+const freeRetries = 32
+
+// attach binds image to dev, or to a free device when dev is "", as Attach
+// describes.
 func attach(ctx context.Context, dev, image string, readOnly bool) (Device, error) {
-	args := []string{"--find", "--show"}
+	backing, err := openBacking(image, readOnly)
+	if err != nil {
+		return Device{}, err
+	}
+	defer backing.Close()
 	if dev != "" {
-		args = nil
+		if err := configure(dev, backing, image, readOnly); err != nil {
+			// A named device bound now may be another process's, which
+			// took it since it was free: it is left alone and reported
+			// as taken.
+			if errors.Is(err, unix.EBUSY) {
+				return Device{}, fmt.Errorf("%s was taken while attaching %s: %w", dev, image, err)
+			}
+			return Device{}, err
+		}
+		return describe(dev, image, readOnly)
+	}
+	for range freeRetries {
+		if err := ctx.Err(); err != nil {
+			return Device{}, err
+		}
+		free, err := Free(ctx)
+		if err != nil {
+			return Device{}, err
+		}
+		err = configure(free, backing, image, readOnly)
+		if errors.Is(err, unix.EBUSY) {
+			continue // another process bound it first: ask again
+		}
+		if err != nil {
+			return Device{}, err
+		}
+		return describe(free, image, readOnly)
+	}
+	return Device{}, fmt.Errorf("attaching %s: every free loop device offered was taken before it could be bound (%d tries)", image, freeRetries)
+}
+
+// openBacking opens the image as the loop device will use it: read-only
+// when the device must be. It is not opened with O_DIRECT: the loop driver
+// decides per request (LO_FLAGS_DIRECT_IO), and a file opened with O_DIRECT
+// would make even the buffered fallback's I/O direct, misaligned where the
+// file wants more than 512-byte alignment.
+func openBacking(image string, readOnly bool) (*os.File, error) {
+	flags := os.O_RDWR
+	if readOnly {
+		flags = os.O_RDONLY
+	}
+	f, err := os.OpenFile(image, flags|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("opening image %s: %w", image, err)
+	}
+	return f, nil
+}
+
+// configure binds the open image to dev in one LOOP_CONFIGURE: backing
+// file, flags and sector size together, so no one ever sees the device
+// bound with other settings.
+func configure(dev string, backing *os.File, image string, readOnly bool) error {
+	if !ValidDevice(dev) {
+		return fmt.Errorf("%q is not a loop device", dev)
+	}
+	f, err := os.OpenFile(dev, os.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("opening %s: %w", dev, err)
+	}
+	defer f.Close()
+	cfg := unix.LoopConfig{
+		Fd: uint32(backing.Fd()),
+		// 512-byte sectors always, whatever the pool: with direct I/O the
+		// kernel would otherwise take the image file's direct-I/O
+		// alignment as the device's sector size, and that changes under a
+		// volume's feet (a reflinked file on xfs asks for 4096 once it
+		// shares extents with a snapshot). A filesystem made on 512-byte
+		// sectors (ext4 with 1 KiB blocks, xfs with sectsz=512) then no
+		// longer mounts. Where the file cannot do direct I/O at 512 bytes
+		// the kernel uses the page cache.
+		Size: 512,
 	}
 	if readOnly {
-		args = append(args, "--read-only")
+		cfg.Info.Flags |= unix.LO_FLAGS_READ_ONLY
 	}
-	// 512-byte sectors always, whatever the pool: with direct I/O the
-	// kernel would otherwise take the image file's direct-I/O alignment as
-	// the device's sector size, and that changes under a volume's feet (a
-	// reflinked file on xfs asks for 4096 once it shares extents with a
-	// snapshot). A filesystem made on 512-byte sectors (ext4 with 1 KiB
-	// blocks, xfs with sectsz=512) then no longer mounts. Where the file
-	// cannot do direct I/O at 512 bytes the kernel uses the page cache.
-	args = append(args, "--sector-size", "512")
-	target := []string{image}
-	if dev != "" {
-		target = []string{dev, image}
+	// Direct I/O, because without it every block is cached twice (once
+	// for the image file, once for the device); the kernel turns it off
+	// where the file's filesystem cannot do it at the device's sector
+	// size, and describe reports what it chose.
+	cfg.Info.Flags |= unix.LO_FLAGS_DIRECT_IO
+	copy(cfg.Info.File_name[:len(cfg.Info.File_name)-1], image)
+	if err := unix.IoctlLoopConfigure(int(f.Fd()), &cfg); err != nil {
+		return fmt.Errorf("LOOP_CONFIGURE %s on %s: %w", image, dev, err)
 	}
-	stdout, dioErr := command.Run(ctx, "losetup", append(append(slices.Clone(args), "--direct-io=on"), target...)...)
-	if dioErr == nil {
-		d, err := describe(deviceOf(dev, stdout), readOnly)
-		if err == nil && !d.DirectIO {
-			// Older kernels accept the flag and quietly drop it; newer ones
-			// drop it where the file wants larger aligned direct I/O than
-			// the device's 512-byte sectors (a reflinked file on xfs).
-			klog.InfoS("Kernel turned direct I/O off for loop device, using buffered I/O", "image", image, "device", d.Path)
-		}
-		return d, err
-	}
-	if dev != "" {
-		// A named device bound now may be another process's, which took
-		// it since it was free: that cannot be told from a bind of ours
-		// left half done, so it is left alone and reported as taken.
-		if backing, _ := BackingFile(dev); backing != "" {
-			return Device{}, fmt.Errorf("%s was taken while attaching %s: %v", dev, image, dioErr)
-		}
-	}
-	// Some losetup versions bind the device and then fail to switch on
-	// direct I/O, leaving it bound; release it before trying again.
-	if bound := deviceOf(dev, stdout); dev == "" && ValidDevice(bound) {
-		if _, err := DetachIfBackedBy(ctx, bound, image); err != nil {
-			return Device{}, fmt.Errorf("releasing %s after a failed direct-I/O attach: %w (attach: %v)", bound, err, dioErr)
-		}
-	}
-	stdout, err := command.Run(ctx, "losetup", append(args, target...)...)
-	if err != nil {
-		return Device{}, fmt.Errorf("%w (with direct I/O: %v)", err, dioErr)
-	}
-	d, err := describe(deviceOf(dev, stdout), readOnly)
-	if err == nil {
-		klog.InfoS("Direct I/O refused for image, attached with buffered I/O", "image", image, "device", d.Path, "directIOError", dioErr.Error())
-	}
-	return d, err
+	return nil
 }
 
-// deviceOf is dev when the caller named one, else the device losetup
-// --show printed.
-func deviceOf(dev string, stdout []byte) string {
-	if dev != "" {
-		return dev
-	}
-	return firstLine(stdout)
-}
-
-// Free names the first free loop device (losetup --find, which creates one
-// when none is free). For a caller that records a device before binding it;
+// Free names a free loop device (LOOP_CTL_GET_FREE, which creates one when
+// none is free). For a caller that records a device before binding it;
 // another process may take it meanwhile, and AttachAt then fails.
 func Free(ctx context.Context) (string, error) {
-	stdout, err := command.Run(ctx, "losetup", "--find")
+	ctl, err := os.OpenFile("/dev/loop-control", os.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return "", err
+		return "", fmt.Errorf("opening the loop control device: %w", err)
 	}
-	dev := firstLine(stdout)
-	if !ValidDevice(dev) {
-		return "", fmt.Errorf("losetup --find reported %q, not a loop device", dev)
+	defer ctl.Close()
+	n, err := unix.IoctlRetInt(int(ctl.Fd()), unix.LOOP_CTL_GET_FREE)
+	if err != nil {
+		return "", fmt.Errorf("LOOP_CTL_GET_FREE: %w", err)
 	}
-	return dev, nil
+	return fmt.Sprintf("/dev/loop%d", n), nil
 }
 
 // AttachAt binds image to dev, which must be free, like Attach.
@@ -146,13 +181,16 @@ func AttachAt(ctx context.Context, dev, image string, readOnly bool) (Device, er
 	return attach(ctx, dev, image, readOnly)
 }
 
-func describe(dev string, readOnly bool) (Device, error) {
-	if !ValidDevice(dev) {
-		return Device{}, fmt.Errorf("losetup reported %q, not a loop device", dev)
-	}
+func describe(dev, image string, readOnly bool) (Device, error) {
 	d := Device{Path: dev, ReadOnly: readOnly}
 	if v, err := readSys(dev, "loop/dio"); err == nil {
 		d.DirectIO = v == "1"
+	}
+	if !d.DirectIO {
+		// Older kernels accept the flag and quietly drop it; newer ones
+		// drop it where the file wants larger aligned direct I/O than the
+		// device's 512-byte sectors (a reflinked file on xfs).
+		klog.InfoS("Loop device uses buffered I/O", "image", image, "device", dev)
 	}
 	return d, nil
 }
@@ -339,7 +377,7 @@ func DetachIfBackedBy(ctx context.Context, dev, image string) (bool, error) {
 	if err != nil || !ours {
 		return false, err
 	}
-	if _, err := command.Run(ctx, "losetup", "--detach", dev); err != nil {
+	if err := loopIoctl(dev, unix.LOOP_CLR_FD); err != nil {
 		// Detached by someone else in the meantime: the goal is reached.
 		if backing, berr := BackingFile(dev); berr == nil && backing == "" {
 			return false, nil
@@ -363,8 +401,64 @@ func Refresh(ctx context.Context, dev string) error {
 	if !ValidDevice(dev) {
 		return fmt.Errorf("%q is not a loop device", dev)
 	}
-	_, err := command.Run(ctx, "losetup", "--set-capacity", dev)
-	return err
+	return loopIoctl(dev, unix.LOOP_SET_CAPACITY)
+}
+
+// loopIoctl issues an argument-less loop ioctl on dev: LOOP_CLR_FD, which
+// the kernel defers until the last opener closes the device (as losetup
+// --detach does), or LOOP_SET_CAPACITY. The device is opened for writing
+// where it can be (the kernel asks that of LOOP_SET_CAPACITY from a caller
+// without CAP_SYS_ADMIN), read-only where it is a read-only device.
+func loopIoctl(dev string, req uint) error {
+	f, err := os.OpenFile(dev, os.O_RDWR|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.EROFS) || errors.Is(err, unix.EACCES) {
+		f, err = os.OpenFile(dev, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	}
+	if err != nil {
+		return fmt.Errorf("opening %s: %w", dev, err)
+	}
+	defer f.Close()
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), uintptr(req), 0); errno != 0 {
+		return fmt.Errorf("ioctl %#x on %s: %w", req, dev, errno)
+	}
+	return nil
+}
+
+// SetReadAhead sets dev's read-ahead to kib KiB (BLKRASET, in 512-byte
+// sectors) and checks that the kernel took it: the queue's read_ahead_kb
+// is what the page cache uses for the device and any filesystem on it.
+func SetReadAhead(dev string, kib uint64) error {
+	if !ValidDevice(dev) {
+		return fmt.Errorf("%q is not a loop device", dev)
+	}
+	f, err := os.OpenFile(dev, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), unix.BLKRASET, uintptr(kib*2)); errno != 0 {
+		return fmt.Errorf("BLKRASET on %s: %w", dev, errno)
+	}
+	got, err := ReadAhead(dev)
+	if err != nil {
+		return err
+	}
+	if got != kib {
+		return fmt.Errorf("%s reads ahead %d KiB after it was set to %d", dev, got, kib)
+	}
+	return nil
+}
+
+// ReadAhead is dev's read-ahead in KiB, as the kernel reports it.
+func ReadAhead(dev string) (uint64, error) {
+	if !ValidDevice(dev) {
+		return 0, fmt.Errorf("%q is not a loop device", dev)
+	}
+	v, err := readSys(dev, "queue/read_ahead_kb")
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseUint(v, 10, 64)
 }
 
 // Size is the size of the block device in bytes, as the kernel sees it.

@@ -2,10 +2,12 @@ package loop
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 )
 
@@ -96,6 +98,9 @@ func TestAttachSizeRefreshAndDetach(t *testing.T) {
 	}
 	if size, err := Size(dev.Path); err != nil || size != 16*mib {
 		t.Fatalf("Size = %d, %v; want %d", size, err, 16*mib)
+	}
+	if sector, err := readSys(dev.Path, "queue/logical_block_size"); err != nil || sector != "512" {
+		t.Fatalf("sector size %q, %v; every device is attached with 512-byte sectors", sector, err)
 	}
 	if err := os.Truncate(image, 32*mib); err != nil {
 		t.Fatal(err)
@@ -334,5 +339,71 @@ func TestDevicesOfIsTheImageNow(t *testing.T) {
 	sparseFile(t, a, 8*mib)
 	if got, err := DevicesOf(a); err != nil || len(got) != 0 {
 		t.Fatalf("DevicesOf(a made again) = %v, %v; want none", got, err)
+	}
+}
+
+// TestConcurrentAttachesGetDevicesOfTheirOwn: attaches racing for the same
+// free device each end up bound, each to a device of its own, with the
+// image it asked for; none fails because another took its device first.
+func TestConcurrentAttachesGetDevicesOfTheirOwn(t *testing.T) {
+	dir := scratch(t)
+	const n = 16
+	images := make([]string, n)
+	for i := range images {
+		images[i] = filepath.Join(dir, fmt.Sprintf("c%d.img", i))
+		sparseFile(t, images[i], 4*mib)
+	}
+	devs := make([]Device, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range images {
+		wg.Go(func() { devs[i], errs[i] = Attach(context.Background(), images[i], i%2 == 1) })
+	}
+	wg.Wait()
+	seen := map[string]int{}
+	for i := range images {
+		if errs[i] != nil {
+			t.Fatalf("attach %d: %v", i, errs[i])
+		}
+		if j, dup := seen[devs[i].Path]; dup {
+			t.Fatalf("images %d and %d were both given %s", j, i, devs[i].Path)
+		}
+		seen[devs[i].Path] = i
+		if same, err := BoundTo(devs[i].Path, images[i]); err != nil || !same {
+			t.Fatalf("%s is not bound to %s: %v, %v", devs[i].Path, images[i], same, err)
+		}
+		if ro, _ := ReadOnly(devs[i].Path); ro != (i%2 == 1) {
+			t.Fatalf("%s read-only = %v, asked %v", devs[i].Path, ro, i%2 == 1)
+		}
+	}
+	for i := range images {
+		if done, err := DetachIfBackedBy(context.Background(), devs[i].Path, images[i]); err != nil || !done {
+			t.Fatalf("detach %s: %v, %v", devs[i].Path, done, err)
+		}
+	}
+}
+
+// TestAttachAtATakenDeviceLeavesItAlone: a device recorded as free and
+// bound by someone else since is refused, and its binding is not touched.
+func TestAttachAtATakenDeviceLeavesItAlone(t *testing.T) {
+	dir := scratch(t)
+	theirs, ours := filepath.Join(dir, "theirs.img"), filepath.Join(dir, "ours.img")
+	sparseFile(t, theirs, 4*mib)
+	sparseFile(t, ours, 4*mib)
+	dev, err := Free(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !ValidDevice(dev) {
+		t.Fatalf("Free named %q", dev)
+	}
+	if out, err := exec.Command("losetup", dev, theirs).CombinedOutput(); err != nil {
+		t.Fatalf("losetup %s: %v: %s", dev, err, out)
+	}
+	if _, err := AttachAt(context.Background(), dev, ours, false); err == nil || !strings.Contains(err.Error(), "was taken") {
+		t.Fatalf("AttachAt a device bound since = %v, want an error saying it was taken", err)
+	}
+	if same, err := BoundTo(dev, theirs); err != nil || !same {
+		t.Fatalf("%s no longer bound to the other image: %v, %v", dev, same, err)
 	}
 }

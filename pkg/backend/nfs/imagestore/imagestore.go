@@ -162,13 +162,13 @@ func Open(ctx context.Context, root string, newFS Filesystem) (*Store, error) {
 		return nil, err
 	}
 	var missing []string
-	for _, tool := range append(newFS.tools(), "losetup", "cp") {
+	for _, tool := range append(newFS.tools(), "cp") {
 		if _, err := exec.LookPath(tool); err != nil {
 			missing = append(missing, tool)
 		}
 	}
 	if len(missing) > 0 {
-		return nil, fmt.Errorf("imagestore: %s not found in PATH (install xfsprogs or e2fsprogs, util-linux and coreutils)", strings.Join(missing, ", "))
+		return nil, fmt.Errorf("imagestore: %s not found in PATH (install xfsprogs or e2fsprogs and coreutils)", strings.Join(missing, ", "))
 	}
 	abs, err := filepath.Abs(root)
 	if err != nil {
