@@ -49,13 +49,106 @@ func WriteFileAtomic(path string, data []byte, perm os.FileMode) error {
 }
 
 // SyncDir makes the directory's entries (a rename, a removal) durable.
+//
+// Concurrent callers share syncs (a group commit): a caller waits for a
+// sync of dir that starts after it called, and one such sync answers every
+// caller that was waiting when it started. A sync already under way when a
+// caller arrives does not answer it, since it may have read the directory
+// before the caller's change. Where many volumes are created or deleted at
+// once, this turns one directory fsync per call, each a flush of the
+// disk's cache, into a few.
 func SyncDir(dir string) error {
+	g := dirSyncs.enter(dir)
+	defer dirSyncs.leave(dir, g)
+	return g.sync(func() error { return fsyncDir(dir) })
+}
+
+// fsyncDir is the sync itself; a test replaces it to count and order syncs.
+var fsyncDir = func(dir string) error {
 	d, err := os.Open(dir)
 	if err != nil {
 		return err
 	}
 	defer d.Close()
 	return d.Sync()
+}
+
+// syncGroups holds a syncGroup for each directory being synced, and only
+// while someone is syncing it.
+type syncGroups struct {
+	mu     sync.Mutex
+	groups map[string]*syncGroup
+}
+
+var dirSyncs = &syncGroups{groups: map[string]*syncGroup{}}
+
+func (s *syncGroups) enter(dir string) *syncGroup {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	g := s.groups[dir]
+	if g == nil {
+		g = &syncGroup{}
+		g.cond = sync.NewCond(&g.mu)
+		s.groups[dir] = g
+	}
+	g.users++
+	return g
+}
+
+func (s *syncGroups) leave(dir string, g *syncGroup) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if g.users--; g.users == 0 {
+		delete(s.groups, dir)
+	}
+}
+
+// syncGroup orders the syncs of one directory: one at a time, numbered.
+type syncGroup struct {
+	users int // guarded by syncGroups.mu
+
+	mu      sync.Mutex
+	cond    *sync.Cond
+	running bool
+	waiting int    // callers waiting for the running sync to end
+	started uint64 // number of the last sync started
+	done    uint64 // number of the last sync finished
+	// failed is the number of the last sync that failed, and failure its
+	// error: a caller whose sync, or any later one it saw finish, failed
+	// gets the error (it cannot tell whether its change is durable).
+	failed  uint64
+	failure error
+}
+
+func (g *syncGroup) sync(do func() error) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	// The first sync to start from now on covers this caller's change.
+	need := g.started + 1
+	for g.done < need {
+		if g.running {
+			g.waiting++
+			g.cond.Wait()
+			g.waiting--
+			continue
+		}
+		g.running = true
+		g.started++
+		n := g.started
+		g.mu.Unlock()
+		err := do()
+		g.mu.Lock()
+		g.running = false
+		g.done = n
+		if err != nil {
+			g.failed, g.failure = n, err
+		}
+		g.cond.Broadcast()
+	}
+	if g.failed >= need {
+		return g.failure
+	}
+	return nil
 }
 
 // RemoveDurably removes path (absent is fine) and makes the removal durable.

@@ -6,6 +6,7 @@ import (
 	"golang.org/x/sys/unix"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -386,5 +387,109 @@ func TestStatfsOneProbePerPath_FakeStatfs(t *testing.T) {
 	}
 	if n := calls.Load(); n != 3 {
 		t.Errorf("statfs called %d times, want 3", n)
+	}
+}
+
+// fakeDirSyncs replaces the directory fsync for one test.
+func fakeDirSyncs(t *testing.T, fake func(dir string) error) {
+	t.Helper()
+	real := fsyncDir
+	fsyncDir = fake
+	t.Cleanup(func() { fsyncDir = real })
+}
+
+// TestSyncDirWaitsForASyncThatStartsAfterIt_FakeFsync: a sync already under
+// way when a caller arrives may have missed its change, so the caller waits
+// for the next one; callers waiting together share that next one.
+func TestSyncDirWaitsForASyncThatStartsAfterIt_FakeFsync(t *testing.T) {
+	var started atomic.Int32
+	release := make(chan struct{})
+	firstRunning := make(chan struct{})
+	fakeDirSyncs(t, func(string) error {
+		if started.Add(1) == 1 {
+			close(firstRunning)
+			<-release
+		}
+		return nil
+	})
+	dir := t.TempDir()
+	first := make(chan error, 1)
+	go func() { first <- SyncDir(dir) }()
+	<-firstRunning
+
+	const late = 8
+	lateDone := make(chan error, late)
+	for range late {
+		go func() { lateDone <- SyncDir(dir) }()
+	}
+	// Wait until every late caller waits behind the running sync.
+	for waiting := 0; waiting < late; time.Sleep(time.Millisecond) {
+		dirSyncs.mu.Lock()
+		g := dirSyncs.groups[dir]
+		dirSyncs.mu.Unlock()
+		g.mu.Lock()
+		waiting = g.waiting
+		g.mu.Unlock()
+	}
+	select {
+	case err := <-lateDone:
+		t.Fatalf("a caller that arrived during a sync returned (%v) before any sync started after it", err)
+	default:
+	}
+	close(release)
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	for range late {
+		if err := <-lateDone; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := started.Load(); n != 2 {
+		t.Fatalf("%d syncs for one caller and %d that arrived together; want 2 (theirs shared)", n, late)
+	}
+}
+
+// TestSyncDirReportsAFailedSyncToThoseItCovered_FakeFsync: every caller a
+// failed sync was meant to cover gets its error; later callers get a new
+// sync.
+func TestSyncDirReportsAFailedSyncToThoseItCovered_FakeFsync(t *testing.T) {
+	fail := errors.New("EIO")
+	var calls atomic.Int32
+	fakeDirSyncs(t, func(string) error {
+		if calls.Add(1) == 1 {
+			return fail
+		}
+		return nil
+	})
+	dir := t.TempDir()
+	if err := SyncDir(dir); !errors.Is(err, fail) {
+		t.Fatalf("SyncDir = %v, want the sync's error", err)
+	}
+	if err := SyncDir(dir); err != nil {
+		t.Fatalf("the next SyncDir = %v, want a sync of its own that succeeds", err)
+	}
+	if n := calls.Load(); n != 2 {
+		t.Fatalf("%d syncs, want 2", n)
+	}
+}
+
+// TestSyncDirKeepsNoStateForIdleDirectories: the per-directory groups go
+// when their last caller leaves, so syncing many directories over a long
+// life holds nothing.
+func TestSyncDirKeepsNoStateForIdleDirectories(t *testing.T) {
+	for i := range 20 {
+		dir := filepath.Join(t.TempDir(), strconv.Itoa(i))
+		if err := os.Mkdir(dir, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := SyncDir(dir); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dirSyncs.mu.Lock()
+	defer dirSyncs.mu.Unlock()
+	if n := len(dirSyncs.groups); n != 0 {
+		t.Fatalf("%d directory groups kept after their syncs ended", n)
 	}
 }
