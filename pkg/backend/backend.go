@@ -28,16 +28,21 @@ type Source struct {
 
 // Volume is everything the controller records about a volume.
 type Volume struct {
-	ID            string                  `json:"id"`
-	Name          string                  `json:"name"`
-	CapacityBytes int64                   `json:"capacityBytes"`
-	Zone          string                  `json:"zone,omitempty"`
-	AccessType    accessmode.AccessType   `json:"accessType"`
-	FsType        string                  `json:"fsType,omitempty"`
-	Modes         []accessmode.Mode       `json:"modes"`
-	Parameters    map[string]string       `json:"parameters,omitempty"`
-	Source        *Source                 `json:"source,omitempty"`
-	Attachments   []accessmode.Attachment `json:"attachments,omitempty"`
+	ID            string                `json:"id"`
+	Name          string                `json:"name"`
+	CapacityBytes int64                 `json:"capacityBytes"`
+	Zone          string                `json:"zone,omitempty"`
+	AccessType    accessmode.AccessType `json:"accessType"`
+	FsType        string                `json:"fsType,omitempty"`
+	Modes         []accessmode.Mode     `json:"modes"`
+	Parameters    map[string]string     `json:"parameters,omitempty"`
+	// MutableParameters are the volume's attributes that can change after
+	// creation (CSI mutable_parameters; Kubernetes' VolumeAttributesClass):
+	// given at CreateVolume, changed by ControllerModifyVolume. Checked
+	// and in canonical form (see the Attr keys).
+	MutableParameters map[string]string       `json:"mutableParameters,omitempty"`
+	Source            *Source                 `json:"source,omitempty"`
+	Attachments       []accessmode.Attachment `json:"attachments,omitempty"`
 	// Context is what a node needs to reach the volume (for NFS: server and
 	// export path); it travels to the node as part of the volume context.
 	Context   map[string]string `json:"context,omitempty"`
@@ -73,7 +78,9 @@ type VolumeSpec struct {
 	FsType        string
 	Modes         []accessmode.Mode
 	Parameters    map[string]string
-	Source        *Source
+	// MutableParameters are checked and canonical (see Volume).
+	MutableParameters map[string]string
+	Source            *Source
 }
 
 // Health is what a backend knows about a volume's condition.
@@ -145,6 +152,10 @@ type Controller interface {
 	SetAttachments(ctx context.Context, id volumeid.ID, attachments []accessmode.Attachment) (*Volume, error)
 	// ExpandVolume grows the volume's storage to at least bytes.
 	ExpandVolume(ctx context.Context, id volumeid.ID, bytes int64) (*Volume, error)
+	// ModifyVolume sets the given mutable parameters (checked and
+	// canonical; keys not given keep their values), records them and makes
+	// them effective as far as the controller can (NFS: the export, live).
+	ModifyVolume(ctx context.Context, id volumeid.ID, mutable map[string]string) (*Volume, error)
 	// ListVolumes returns every volume, sorted by ID.
 	ListVolumes(ctx context.Context) ([]*Volume, error)
 	// VolumesOn returns the volumes with an attachment to node key

@@ -36,6 +36,7 @@ var controllerRPCs = []csi.ControllerServiceCapability_RPC_Type{
 	csi.ControllerServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	csi.ControllerServiceCapability_RPC_GET_VOLUME_HEALTH,
 	csi.ControllerServiceCapability_RPC_LIST_VOLUME_HEALTH,
+	csi.ControllerServiceCapability_RPC_MODIFY_VOLUME,
 }
 
 var nodeRPCs = []csi.NodeServiceCapability_RPC_Type{

@@ -206,7 +206,7 @@ func TestCompatible(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			err = compatible(vol, req, caps, src, nil)
+			err = compatible(vol, req, caps, nil, src, nil)
 			if tt.conflict == "" {
 				if err != nil {
 					t.Errorf("compatible: %v; want the existing volume to be returned", err)

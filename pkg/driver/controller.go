@@ -179,6 +179,25 @@ func (d *Driver) lookupVolume(ctx context.Context, raw string) (volumeid.ID, bac
 	return id, ctrl, vol, nil
 }
 
+// lockedVolume takes the volume's lock, then looks it up, for a call that
+// changes it; release lets the lock go.
+func (d *Driver) lockedVolume(ctx context.Context, raw string) (volumeid.ID, backend.Controller, *backend.Volume, func(), error) {
+	id, err := volumeid.ParseKind(raw, volumeid.Volume)
+	if err != nil {
+		return id, nil, nil, nil, status.Errorf(codes.NotFound, "volume %q does not exist: %v", raw, err)
+	}
+	release, err := d.locks.acquire(id.String())
+	if err != nil {
+		return id, nil, nil, nil, err
+	}
+	_, ctrl, vol, err := d.lookupVolume(ctx, raw)
+	if err != nil {
+		release()
+		return id, nil, nil, nil, err
+	}
+	return id, ctrl, vol, release, nil
+}
+
 // sizeFor picks the capacity of a new volume from the request's range,
 // rounded up to whole MiB where the limit allows.
 func sizeFor(r *csi.CapacityRange, fsType string, minimum int64) (int64, error) {
@@ -477,6 +496,10 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	if err != nil {
 		return nil, err
 	}
+	mutable, err := ParseMutableParams(ctrl.Backend(), req.GetMutableParameters())
+	if err != nil {
+		return nil, err
+	}
 	// A source that is gone is an error only for a volume not made yet:
 	// a retry of a create that succeeded before the source was deleted
 	// still finds its volume below.
@@ -498,7 +521,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	}
 	defer release()
 
-	check := func(v *backend.Volume) error { return compatible(v, req, caps, src, nodeZones) }
+	check := func(v *backend.Volume) error { return compatible(v, req, caps, mutable, src, nodeZones) }
 	if existing, err := s.findByKeyAnywhere(ctx, key); err != nil {
 		return nil, err
 	} else if existing != nil {
@@ -522,7 +545,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 	}
 	specFor := func(id volumeid.ID) backend.VolumeSpec {
 		return backend.VolumeSpec{ID: id, Name: req.GetName(), CapacityBytes: size, AccessType: caps.accessType,
-			FsType: caps.fsType, Modes: caps.modes, Parameters: req.GetParameters(), Source: src}
+			FsType: caps.fsType, Modes: caps.modes, Parameters: req.GetParameters(), MutableParameters: mutable, Source: src}
 	}
 	if id, ok := creatingIn(ctrl, key); ok {
 		return resumeCreation(ctx, ctrl, specFor(id), check)
@@ -655,7 +678,7 @@ func (s *controllerServer) findByKey(ctx context.Context, ctrl backend.Controlle
 
 // compatible decides whether a repeated CreateVolume names the volume that
 // already exists (OK) or a different one (ALREADY_EXISTS).
-func compatible(vol *backend.Volume, req *csi.CreateVolumeRequest, caps capabilityRequest, src *backend.Source, nodeZones map[string]string) error {
+func compatible(vol *backend.Volume, req *csi.CreateVolumeRequest, caps capabilityRequest, mutable map[string]string, src *backend.Source, nodeZones map[string]string) error {
 	var diffs []string
 	r := req.GetCapacityRange()
 	if vol.CapacityBytes < r.GetRequiredBytes() || (r.GetLimitBytes() > 0 && vol.CapacityBytes > r.GetLimitBytes()) {
@@ -675,6 +698,9 @@ func compatible(vol *backend.Volume, req *csi.CreateVolumeRequest, caps capabili
 	}
 	if !maps.Equal(vol.Parameters, req.GetParameters()) && !(len(vol.Parameters) == 0 && len(req.GetParameters()) == 0) {
 		diffs = append(diffs, "parameters differ")
+	}
+	if !maps.Equal(vol.MutableParameters, mutable) {
+		diffs = append(diffs, "mutable parameters differ")
 	}
 	if (vol.Source == nil) != (src == nil) || (src != nil && *vol.Source != *src) {
 		diffs = append(diffs, "content source differs")
@@ -760,19 +786,11 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 	if err != nil {
 		return nil, err
 	}
-	id, err := volumeid.ParseKind(req.GetVolumeId(), volumeid.Volume)
-	if err != nil {
-		return nil, status.Errorf(codes.NotFound, "volume %q does not exist: %v", req.GetVolumeId(), err)
-	}
-	release, err := s.d.locks.acquire(id.String())
+	id, ctrl, vol, release, err := s.d.lockedVolume(ctx, req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	_, ctrl, vol, err := s.d.lookupVolume(ctx, req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
 	node, err := nodeid.Parse(req.GetNodeId())
 	if err != nil {
 		return nil, status.Errorf(codes.NotFound, "node %q is not known to this driver: %v", req.GetNodeId(), err)
@@ -1187,19 +1205,11 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 	if req.GetCapacityRange() == nil {
 		return nil, status.Error(codes.InvalidArgument, "capacity range is required")
 	}
-	id, err := volumeid.ParseKind(req.GetVolumeId(), volumeid.Volume)
-	if err != nil {
-		return nil, status.Errorf(codes.NotFound, "volume %q does not exist: %v", req.GetVolumeId(), err)
-	}
-	release, err := s.d.locks.acquire(id.String())
+	id, ctrl, vol, release, err := s.d.lockedVolume(ctx, req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	_, ctrl, vol, err := s.d.lookupVolume(ctx, req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
 	// A range that requires nothing asks for no growth: the default size
 	// sizeFor fills in is for new volumes, and would grow a 16 MiB volume
 	// to DefaultVolumeSize.
@@ -1223,6 +1233,33 @@ func (s *controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.
 		CapacityBytes:         vol.CapacityBytes,
 		NodeExpansionRequired: ctrl.NodeExpansionRequired(vol),
 	}, nil
+}
+
+// ControllerModifyVolume changes a volume's mutable parameters (Kubernetes:
+// a claim's VolumeAttributesClass). Keys it is not given keep their values;
+// every key is checked before anything changes, so a request with one bad
+// key changes nothing.
+func (s *controllerServer) ControllerModifyVolume(ctx context.Context, req *csi.ControllerModifyVolumeRequest) (*csi.ControllerModifyVolumeResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume id is required")
+	}
+	id, ctrl, vol, release, err := s.d.lockedVolume(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	mutable, err := ParseMutableParams(ctrl.Backend(), req.GetMutableParameters())
+	if err != nil {
+		return nil, err
+	}
+	if len(mutable) == 0 {
+		return &csi.ControllerModifyVolumeResponse{}, nil
+	}
+	if vol, err = ctrl.ModifyVolume(ctx, id, mutable); err != nil {
+		return nil, err
+	}
+	klog.InfoS("Volume modified", "volumeID", vol.ID, "mutableParameters", vol.MutableParameters)
+	return &csi.ControllerModifyVolumeResponse{}, nil
 }
 
 func csiSnapshot(s *backend.Snapshot) *csi.Snapshot {

@@ -1,6 +1,7 @@
 package driver
 
 import (
+	"maps"
 	"regexp"
 	"slices"
 	"strconv"
@@ -145,6 +146,65 @@ func FuzzParseCapability(f *testing.F) {
 		got, ok := testfiles.MountSplit(optstr)
 		if !ok || len(got) == 0 || got[len(got)-1] != "ro" || strings.Join(got[:len(got)-1], ",") != strings.Join(flags, ",") {
 			t.Fatalf("parseCapability accepted the mount flags %q, which mount(8) reads as %q: the appended ro is not an option of its own", flags, got)
+		}
+	})
+}
+
+// FuzzParseMutableParams: ParseMutableParams either refuses with
+// InvalidArgument and nothing, or returns exactly the keys it was given,
+// each a mutable key of the volume's own backend, with a canonical value
+// that parses again to itself: rootSquash "true" or "false", readAheadKiB
+// a decimal within its bound that says the same number.
+func FuzzParseMutableParams(f *testing.F) {
+	for _, s := range [][5]string{
+		{"block", "readAheadKiB", "512", "", ""},
+		{"nfs", "rootSquash", "FALSE", "", ""},
+		{"block", "readAheadKiB", "016384", "rootSquash", "true"},
+		{"nfs", "rootSquash", "t", "backend", "block"},
+		{"block", "readAheadKiB", "16385", "csi.storage.k8s.io/pvc/name", "x"},
+		{"nfs", "XXX_FakeKey", "XXX_FakeValue", "readAheadKiB", "+1"},
+		{"block", "readAheadKiB", " 1", "readAheadKiB\x00", "1"},
+	} {
+		f.Add(s[0] == "nfs", s[1], s[2], s[3], s[4])
+	}
+	f.Fuzz(func(t *testing.T, nfs bool, k1, v1, k2, v2 string) {
+		b := accessmode.BackendBlock
+		if nfs {
+			b = accessmode.BackendNFS
+		}
+		in := map[string]string{k1: v1, k2: v2}
+		got, err := ParseMutableParams(b, in)
+		if err != nil {
+			if status.Code(err) != codes.InvalidArgument || got != nil {
+				t.Fatalf("ParseMutableParams(%s, %q) = %v, %v; want nothing and InvalidArgument", b, in, got, err)
+			}
+			return
+		}
+		if len(got) != len(in) {
+			t.Fatalf("ParseMutableParams(%s, %q) = %v: not the keys it was given", b, in, got)
+		}
+		for k, v := range got {
+			if _, given := in[k]; !given {
+				t.Fatalf("ParseMutableParams(%s, %q) made up the key %q", b, in, k)
+			}
+			switch {
+			case b == accessmode.BackendNFS && k == backend.AttrRootSquash:
+				want, perr := strconv.ParseBool(in[k])
+				if perr != nil || v != strconv.FormatBool(want) {
+					t.Fatalf("rootSquash %q became %q", in[k], v)
+				}
+			case b == accessmode.BackendBlock && k == backend.AttrReadAheadKiB:
+				n, perr := strconv.ParseUint(v, 10, 64)
+				orig, oerr := strconv.ParseUint(in[k], 10, 64)
+				if perr != nil || oerr != nil || n != orig || n > 16384 || strconv.FormatUint(n, 10) != v {
+					t.Fatalf("readAheadKiB %q became %q", in[k], v)
+				}
+			default:
+				t.Fatalf("ParseMutableParams accepted %q for a %s volume", k, b)
+			}
+		}
+		if again, err := ParseMutableParams(b, got); err != nil || !maps.Equal(again, got) {
+			t.Fatalf("the canonical form %v parses to %v, %v", got, again, err)
 		}
 	})
 }

@@ -1,6 +1,8 @@
 package driver
 
 import (
+	"fmt"
+	"maps"
 	"slices"
 	"sort"
 	"strconv"
@@ -9,6 +11,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 )
 
@@ -103,4 +106,99 @@ func setFsType(p *Params, key, fs string) error {
 	}
 	p.FsType = fs
 	return nil
+}
+
+// mutableParams are the keys a VolumeAttributesClass may set (CSI
+// mutable_parameters, at CreateVolume and ControllerModifyVolume), each
+// with the backend it means something for.
+var mutableParams = []mutableParam{
+	{backend.AttrReadAheadKiB, accessmode.BackendBlock, fmt.Sprintf("an integer from 0 to %d", maxReadAheadKiB), parseReadAhead},
+	{backend.AttrRootSquash, accessmode.BackendNFS, "true, false", parseBool},
+}
+
+type mutableParam struct {
+	key     string
+	backend accessmode.Backend
+	accepts string // for messages
+	// parse checks a value and returns its canonical form.
+	parse func(string) (string, bool)
+}
+
+// maxReadAheadKiB bounds the read-ahead a volume may ask of a node's
+// device: 16 MiB, far above what any workload gains from.
+const maxReadAheadKiB = 16384
+
+func parseReadAhead(v string) (string, bool) {
+	n, err := strconv.ParseUint(v, 10, 32)
+	if err != nil || n > maxReadAheadKiB {
+		return "", false
+	}
+	return strconv.FormatUint(n, 10), true
+}
+
+func parseBool(v string) (string, bool) {
+	b, err := strconv.ParseBool(v)
+	if err != nil {
+		return "", false
+	}
+	return strconv.FormatBool(b), true
+}
+
+// describeMutable lists the mutable keys, with their backends.
+func describeMutable() string {
+	var out []string
+	for _, m := range mutableParams {
+		out = append(out, fmt.Sprintf("%s (%s)", m.key, m.backend))
+	}
+	return strings.Join(out, ", ")
+}
+
+// ParseMutableParams checks mutable parameters for a volume of backend b
+// and returns them in canonical form, or nil for none. It refuses with
+// InvalidArgument, naming the key: an unknown key, a parameter fixed at
+// creation, a key of another backend, a value out of range.
+func ParseMutableParams(b accessmode.Backend, in map[string]string) (map[string]string, error) {
+	if len(in) == 0 {
+		return nil, nil
+	}
+	keys := slices.Sorted(maps.Keys(in))
+	out := make(map[string]string, len(in))
+	for _, k := range keys {
+		i := slices.IndexFunc(mutableParams, func(m mutableParam) bool { return m.key == k })
+		switch {
+		case i < 0 && (slices.Contains(acceptedParams, k) || strings.HasPrefix(k, kubernetesParamPrefix)):
+			return nil, status.Errorf(codes.InvalidArgument,
+				"parameter %q is fixed when a volume is created and cannot be changed; mutable parameters: %s", k, describeMutable())
+		case i < 0:
+			return nil, status.Errorf(codes.InvalidArgument,
+				"mutable parameter %q is not known; mutable parameters: %s", k, describeMutable())
+		}
+		m := mutableParams[i]
+		if m.backend != b {
+			return nil, status.Errorf(codes.InvalidArgument,
+				"mutable parameter %q applies to %s volumes, and this is a %s volume; its mutable parameters: %s",
+				k, m.backend, b, mutableOf(b))
+		}
+		v, ok := m.parse(in[k])
+		if !ok {
+			return nil, status.Errorf(codes.InvalidArgument,
+				"mutable parameter %s=%q is not accepted; accepted values: %s", k, in[k], m.accepts)
+		}
+		out[k] = v
+	}
+	return out, nil
+}
+
+// mutableOf lists the mutable keys of backend b.
+func mutableOf(b accessmode.Backend) string {
+	var out []string
+	for _, m := range mutableParams {
+		if m.backend == b {
+			out = append(out, m.key)
+		}
+	}
+	if len(out) == 0 {
+		return "none"
+	}
+	return strings.Join(out, ", ")
 }

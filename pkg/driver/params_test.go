@@ -1,11 +1,14 @@
 package driver
 
 import (
+	"maps"
 	"strings"
 	"testing"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
 )
 
 func TestParseParams(t *testing.T) {
@@ -109,5 +112,76 @@ func TestParseParamsUnknownKeyListsEveryAcceptedKey(t *testing.T) {
 	}
 	if len(acceptedParams) < 2 {
 		t.Errorf("acceptedParams = %v; backend and fsType are documented keys", acceptedParams)
+	}
+}
+
+func TestParseMutableParams(t *testing.T) {
+	tests := []struct {
+		name    string
+		backend accessmode.Backend
+		in      map[string]string
+		want    map[string]string
+		// On error: fragments the InvalidArgument message must carry.
+		mentions []string
+	}{
+		{name: "none", backend: accessmode.BackendBlock, in: nil, want: nil},
+		{name: "empty", backend: accessmode.BackendNFS, in: map[string]string{}, want: nil},
+		{name: "read-ahead", backend: accessmode.BackendBlock, in: map[string]string{"readAheadKiB": "512"},
+			want: map[string]string{"readAheadKiB": "512"}},
+		{name: "read-ahead canonical", backend: accessmode.BackendBlock, in: map[string]string{"readAheadKiB": "0128"},
+			want: map[string]string{"readAheadKiB": "128"}},
+		{name: "read-ahead zero", backend: accessmode.BackendBlock, in: map[string]string{"readAheadKiB": "0"},
+			want: map[string]string{"readAheadKiB": "0"}},
+		{name: "read-ahead at the bound", backend: accessmode.BackendBlock, in: map[string]string{"readAheadKiB": "16384"},
+			want: map[string]string{"readAheadKiB": "16384"}},
+		{name: "root squash canonical", backend: accessmode.BackendNFS, in: map[string]string{"rootSquash": "FALSE"},
+			want: map[string]string{"rootSquash": "false"}},
+		{name: "root squash on", backend: accessmode.BackendNFS, in: map[string]string{"rootSquash": "1"},
+			want: map[string]string{"rootSquash": "true"}},
+
+		{name: "read-ahead above the bound", backend: accessmode.BackendBlock, in: map[string]string{"readAheadKiB": "16385"},
+			mentions: []string{"readAheadKiB", `"16385"`, "0 to 16384"}},
+		{name: "read-ahead negative", backend: accessmode.BackendBlock, in: map[string]string{"readAheadKiB": "-1"},
+			mentions: []string{"readAheadKiB", `"-1"`}},
+		{name: "read-ahead with a unit", backend: accessmode.BackendBlock, in: map[string]string{"readAheadKiB": "1Mi"},
+			mentions: []string{"readAheadKiB", `"1Mi"`}},
+		{name: "root squash junk", backend: accessmode.BackendNFS, in: map[string]string{"rootSquash": "maybe"},
+			mentions: []string{"rootSquash", `"maybe"`, "true, false"}},
+		{name: "unknown key", backend: accessmode.BackendBlock, in: map[string]string{"XXX_FakeKey": "XXX_FakeValue"},
+			mentions: []string{`"XXX_FakeKey"`, "readAheadKiB (block)", "rootSquash (nfs)"}},
+		{name: "creation parameter backend", backend: accessmode.BackendBlock, in: map[string]string{"backend": "nfs"},
+			mentions: []string{`"backend"`, "fixed when a volume is created"}},
+		{name: "creation parameter fsType", backend: accessmode.BackendBlock, in: map[string]string{"fsType": "xfs"},
+			mentions: []string{`"fsType"`, "fixed when a volume is created"}},
+		{name: "kubernetes key", backend: accessmode.BackendNFS, in: map[string]string{"csi.storage.k8s.io/pvc/name": "x"},
+			mentions: []string{"csi.storage.k8s.io/pvc/name", "fixed when a volume is created"}},
+		{name: "nfs key on block", backend: accessmode.BackendBlock, in: map[string]string{"rootSquash": "false"},
+			mentions: []string{`"rootSquash"`, "nfs volumes", "block volume", "readAheadKiB"}},
+		{name: "block key on nfs", backend: accessmode.BackendNFS, in: map[string]string{"readAheadKiB": "256"},
+			mentions: []string{`"readAheadKiB"`, "block volumes", "nfs volume", "rootSquash"}},
+		{name: "one bad key among good ones", backend: accessmode.BackendBlock,
+			in: map[string]string{"readAheadKiB": "256", "replicas": "3"}, mentions: []string{`"replicas"`}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := ParseMutableParams(tc.backend, tc.in)
+			if tc.mentions == nil {
+				if err != nil {
+					t.Fatalf("unexpected error: %v", err)
+				}
+				if !maps.Equal(got, tc.want) || (got == nil) != (tc.want == nil) {
+					t.Fatalf("got %v, want %v", got, tc.want)
+				}
+				return
+			}
+			if status.Code(err) != codes.InvalidArgument {
+				t.Fatalf("got %v, %v; want InvalidArgument", got, err)
+			}
+			for _, m := range tc.mentions {
+				if !strings.Contains(status.Convert(err).Message(), m) {
+					t.Errorf("message %q does not mention %q", status.Convert(err).Message(), m)
+				}
+			}
+		})
 	}
 }

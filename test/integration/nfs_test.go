@@ -266,6 +266,58 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 		deleteVol(t, vol)
 	})
 
+	t.Run("rootSquash changed by ControllerModifyVolume holds for the next write at once", func(t *testing.T) {
+		vol := create(t, "squash", accessmode.SingleNodeMultiWriter, 16<<20, nil)
+		wantCode(t, "publish to node-1", publish(vol, accessmode.SingleNodeMultiWriter, 0, false), codes.OK)
+		// ownerOf is the owner of a file the node wrote as root, read on
+		// the server from the directory ganesha exports.
+		ownerOf := func(t *testing.T, file string) uint32 {
+			t.Helper()
+			exports, err := testenv.NFSControl(t, gdir).Exports(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, e := range exports {
+				if e.Pseudo == share(vol) {
+					var st syscall.Stat_t
+					if err := syscall.Stat(filepath.Join(e.Path, file), &st); err != nil {
+						t.Fatal(err)
+					}
+					return st.Uid
+				}
+			}
+			t.Fatalf("ganesha does not export %s", share(vol))
+			return 0
+		}
+		modify := func(t *testing.T, squash string) {
+			t.Helper()
+			if _, err := ctrl.CSI.ControllerModifyVolume(ctx, &csi.ControllerModifyVolumeRequest{
+				VolumeId: vol.GetVolumeId(), MutableParameters: map[string]string{"rootSquash": squash}}); err != nil {
+				t.Fatalf("ControllerModifyVolume rootSquash=%s: %v", squash, err)
+			}
+		}
+		const anonymous = 1<<32 - 2 // ganesha's default Anonymous_Uid, -2
+		mustWrite(t, n1, vol, "squashed")
+		if uid := ownerOf(t, "squashed"); uid != anonymous {
+			t.Fatalf("a file root wrote with root squashed belongs to uid %d, want %d", uid, anonymous)
+		}
+		modify(t, "false")
+		mustWrite(t, n1, vol, "as-root")
+		if uid := ownerOf(t, "as-root"); uid != 0 {
+			t.Fatalf("a file root wrote after rootSquash=false belongs to uid %d, want 0", uid)
+		}
+		modify(t, "true")
+		mustWrite(t, n1, vol, "squashed-again")
+		if uid := ownerOf(t, "squashed-again"); uid != anonymous {
+			t.Fatalf("a file root wrote after rootSquash=true again belongs to uid %d, want %d", uid, anonymous)
+		}
+		_, err := ctrl.CSI.ControllerModifyVolume(ctx, &csi.ControllerModifyVolumeRequest{
+			VolumeId: vol.GetVolumeId(), MutableParameters: map[string]string{"readAheadKiB": "256"}})
+		wantCode(t, "a block attribute on an NFS volume", err, codes.InvalidArgument)
+		unpublish(t, vol, 0)
+		deleteVol(t, vol)
+	})
+
 	t.Run("restart restores every export exactly and removes stale ones", func(t *testing.T) {
 		kept := create(t, "kept", accessmode.SingleNodeMultiWriter, 16<<20, nil)
 		wantCode(t, "publish kept to node-2", publish(kept, accessmode.SingleNodeMultiWriter, 1, false), codes.OK)

@@ -50,6 +50,9 @@ func Run(t *testing.T, accessType string) {
 	cfg.TestVolumeSize = 16 << 20
 	cfg.TestVolumeExpandSize = 32 << 20
 	cfg.TestVolumeAccessType = accessType
+	// What a VolumeAttributesClass may say of a block volume: the
+	// ModifyVolume specs create and modify volumes with it.
+	cfg.TestVolumeMutableParameters = map[string]string{"readAheadKiB": "512"}
 	run(t, root, driver.Config{
 		Controllers: map[accessmode.Backend]backend.Controller{accessmode.BackendBlock: ctrl},
 		Nodes:       map[accessmode.Backend]backend.Node{accessmode.BackendBlock: node},
@@ -94,6 +97,7 @@ func RunNFSWithFakeKernelMount(t *testing.T) {
 	cfg.TestVolumeExpandSize = ctrl.MinimumSize() + 64<<20
 	cfg.TestVolumeAccessType = "mount"
 	cfg.TestVolumeParameters = map[string]string{"backend": "nfs"}
+	cfg.TestVolumeMutableParameters = map[string]string{"rootSquash": "false"}
 	run(t, root, driver.Config{
 		NodeAddress: "127.0.0.1",
 		Controllers: map[accessmode.Backend]backend.Controller{accessmode.BackendNFS: ctrl},

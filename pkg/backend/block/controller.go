@@ -385,6 +385,8 @@ func newVolumeRecord(spec backend.VolumeSpec, source *backend.Source) *backend.V
 		FsType:        spec.FsType,
 		Modes:         slices.Clone(spec.Modes),
 		Parameters:    maps.Clone(spec.Parameters),
+		// The node reads them from the record when it stages the volume.
+		MutableParameters: maps.Clone(spec.MutableParameters),
 	}
 	if source != nil {
 		s := *source
@@ -611,6 +613,21 @@ func (c *Controller) updateVolume(ctx context.Context, id volumeid.ID, change fu
 	c.putVolume(cloneVolume(v))
 	c.mu.Unlock()
 	return v, nil
+}
+
+// ModifyVolume records the volume's new mutable parameters. Nodes read
+// them from the record when they stage the volume (the read-ahead of its
+// device), so a node that has it staged now keeps its settings until its
+// next stage.
+func (c *Controller) ModifyVolume(ctx context.Context, id volumeid.ID, mutable map[string]string) (*backend.Volume, error) {
+	return c.updateVolume(ctx, id, func(v *backend.Volume) (bool, error) {
+		next := backend.WithMutable(v.MutableParameters, mutable)
+		if maps.Equal(next, v.MutableParameters) {
+			return false, nil
+		}
+		v.MutableParameters = next
+		return true, nil
+	})
 }
 
 // ExpandVolume grows the image (never shrinks it). The image grows before
@@ -891,6 +908,7 @@ func cloneVolume(v *backend.Volume) *backend.Volume {
 	out := *v
 	out.Modes = slices.Clone(v.Modes)
 	out.Parameters = maps.Clone(v.Parameters)
+	out.MutableParameters = maps.Clone(v.MutableParameters)
 	out.Attachments = slices.Clone(v.Attachments)
 	if v.Source != nil {
 		s := *v.Source

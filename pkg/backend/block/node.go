@@ -137,8 +137,13 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 		if err := fsutil.CheckCOPath("staging path", req.StagingPath); err != nil {
 			return nil, status.Error(codes.InvalidArgument, err.Error())
 		}
-		if staged, err := n.alreadyStaged(req, image, fsType); staged != nil || err != nil {
-			return staged, err
+		if staged, err := n.alreadyStaged(req, image, fsType); err != nil {
+			return nil, err
+		} else if staged != nil {
+			if err := setReadAhead(vol, staged.Device); err != nil {
+				return nil, err
+			}
+			return staged, nil
 		}
 	}
 	if _, err := os.Stat(image); err != nil {
@@ -160,6 +165,12 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 		return nil, status.Errorf(codes.Internal, "attaching volume %s: %v", vol.ID, err)
 	}
 	fpStageAttached.Hit()
+	if err := setReadAhead(vol, dev.Path); err != nil {
+		if _, derr := loop.DetachIfBackedBy(context.WithoutCancel(ctx), dev.Path, image); derr != nil {
+			klog.ErrorS(derr, "Detaching loop device after a failed stage", "volumeID", vol.ID, "device", dev.Path)
+		}
+		return nil, err
+	}
 	staged := &backend.Staged{
 		VolumeID:    vol.ID,
 		StagingPath: req.StagingPath,
@@ -187,6 +198,20 @@ var (
 	fpUnstageUnmounted = faultpoint.New("block.unstage.unmounted")
 	fpExpandRefreshed  = faultpoint.New("block.expand.device-refreshed")
 )
+
+// setReadAhead gives dev the read-ahead the volume's attributes name
+// (readAheadKiB, a VolumeAttributesClass parameter), and leaves the
+// kernel's default where they name none.
+func setReadAhead(vol *backend.Volume, dev string) error {
+	kib, ok := vol.ReadAheadKiB()
+	if !ok {
+		return nil
+	}
+	if err := loop.SetReadAhead(dev, kib); err != nil {
+		return status.Errorf(codes.Internal, "setting the read-ahead of volume %s on %s to %d KiB: %v", vol.ID, dev, kib, err)
+	}
+	return nil
+}
 
 // detachUnused detaches the loop devices bound to image that nothing uses
 // (no mount of their filesystem, no bind mount of their node).

@@ -67,6 +67,9 @@ func (f *flakyGanesha) ApplyExport(context.Context, string, uint16) error {
 	return nil
 }
 func (f *flakyGanesha) RemoveExport(context.Context, uint16) error { return f.removeErr }
+func (f *flakyGanesha) Export(context.Context, uint16) (ganesha.ExportInfo, error) {
+	return ganesha.ExportInfo{}, errBusGone
+}
 func (f *flakyGanesha) Exports(context.Context) ([]ganesha.ExportInfo, error) {
 	if f.failList {
 		return nil, errBusGone

@@ -84,6 +84,8 @@ type Exporter interface {
 	ApplyExport(ctx context.Context, confPath string, id uint16) error
 	RemoveExport(ctx context.Context, id uint16) error
 	Exports(ctx context.Context) ([]ganesha.ExportInfo, error)
+	// Export is what ganesha serves as export id now.
+	Export(ctx context.Context, id uint16) (ganesha.ExportInfo, error)
 }
 
 // Config is what the NFS controller is told at start.
@@ -422,15 +424,7 @@ func (c *Controller) export(rec *volumeRecord) (ganesha.Export, error) {
 	}
 	e := ganesha.Export{
 		ID: rec.ExportID, Path: c.dir(c.volumeRel(id)), Pseudo: pseudo(id),
-		Squash: ganesha.Squash("root_squash"), Comment: "modeguard volume " + rec.Volume.ID,
-	}
-	// Only a value that clearly says false turns squashing off: a value
-	// ParseBool cannot read (the driver refuses it at CreateVolume, but a
-	// record may come from elsewhere) keeps the safe default.
-	if rs, ok := rec.Volume.Parameters["rootSquash"]; ok {
-		if b, err := strconv.ParseBool(rs); err == nil && !b {
-			e.Squash = ganesha.Squash("no_root_squash")
-		}
+		Squash: squashOf(&rec.Volume), Comment: "modeguard volume " + rec.Volume.ID,
 	}
 	for _, a := range rec.Volume.Attachments {
 		n, err := nodeid.Parse(a.NodeID)
@@ -441,6 +435,16 @@ func (c *Controller) export(rec *volumeRecord) (ganesha.Export, error) {
 		e.Clients = append(e.Clients, ganesha.ClientRule{Address: netip.MustParseAddr(n.Address), ReadOnly: a.ReadOnly})
 	}
 	return e, nil
+}
+
+// squashOf is the root squashing a volume's export gets: its rootSquash
+// attribute (a VolumeAttributesClass may change it), squashed unless that
+// clearly says false.
+func squashOf(v *backend.Volume) ganesha.Squash {
+	if v.RootSquash() {
+		return ganesha.RootSquash
+	}
+	return ganesha.NoRootSquash
 }
 
 // writeExportFile renders the volume's export file from its record.
@@ -801,7 +805,7 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 		Volume: backend.Volume{
 			ID: spec.ID.String(), Name: spec.Name, CapacityBytes: spec.CapacityBytes,
 			AccessType: spec.AccessType, FsType: "", Modes: spec.Modes, Parameters: spec.Parameters,
-			Source: spec.Source, CreatedAt: time.Now().UTC(),
+			MutableParameters: spec.MutableParameters, Source: spec.Source, CreatedAt: time.Now().UTC(),
 			Context: map[string]string{
 				ContextServer: c.cfg.Server, ContextShare: pseudo(spec.ID), ContextPort: strconv.Itoa(c.cfg.Port),
 			},
@@ -973,21 +977,88 @@ func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachm
 		serve = c.withdrawExport
 	}
 	if err := serve(ctx, rec); err != nil {
-		if rerr := fsutil.WriteJSONAtomic(c.volumeMeta(id), &old); rerr != nil {
-			klog.ErrorS(rerr, "Restoring a volume record after ganesha refused its export", "volumeID", id)
-		}
-		if len(old.Volume.Attachments) > 0 {
-			if rerr := c.applyExport(ctx, &old); rerr != nil {
-				klog.ErrorS(rerr, "Restoring an export after ganesha refused its update", "volumeID", id)
-			}
-		}
+		c.putBack(ctx, id, &old)
 		return nil, err
 	}
+	return c.keep(rec), nil
+}
+
+// ModifyVolume records the volume's new mutable parameters and, when a
+// node holds the volume, has ganesha serve the changed export at once
+// (rootSquash) and checks over the bus that it does. If ganesha refuses or
+// serves something else, the old record and export are put back and the
+// call fails: the claim's attributes never say what the server does not.
+func (c *Controller) ModifyVolume(ctx context.Context, id volumeid.ID, mutable map[string]string) (*backend.Volume, error) {
+	rec, err := c.record(id)
+	if err != nil {
+		return nil, err
+	}
+	old := *rec
+	rec.Volume.MutableParameters = backend.WithMutable(rec.Volume.MutableParameters, mutable)
+	exported := len(rec.Volume.Attachments) > 0
+	if maps.Equal(rec.Volume.MutableParameters, old.Volume.MutableParameters) && !exported {
+		out := rec.Volume
+		return &out, nil
+	}
+	if err := fsutil.WriteJSONAtomic(c.volumeMeta(id), rec); err != nil {
+		return nil, status.Errorf(codes.Internal, "recording the attributes of %s: %v", id, err)
+	}
+	if exported {
+		err := c.applyExport(ctx, rec)
+		if err == nil {
+			err = c.checkSquash(ctx, rec)
+		}
+		if err != nil {
+			c.putBack(ctx, id, &old)
+			return nil, err
+		}
+	}
+	return c.keep(rec), nil
+}
+
+// checkSquash asks ganesha what it serves for the volume's export and
+// fails unless every client has the squashing the record says.
+func (c *Controller) checkSquash(ctx context.Context, rec *volumeRecord) error {
+	info, err := c.exporter.Export(ctx, rec.ExportID)
+	if err != nil {
+		c.controlFailed(OpExports)
+		return status.Errorf(codes.Unavailable, "asking ganesha what it serves for %s: %v", rec.Volume.ID, err)
+	}
+	want := squashOf(&rec.Volume)
+	if len(info.Clients) == 0 {
+		return status.Errorf(codes.Internal, "ganesha serves export %d of %s to no client after the update", rec.ExportID, rec.Volume.ID)
+	}
+	for _, cl := range info.Clients {
+		if cl.Squash != want {
+			return status.Errorf(codes.Internal, "ganesha serves export %d of %s to %s with %s after it was told %s",
+				rec.ExportID, rec.Volume.ID, cl.Match, cl.Squash, want)
+		}
+	}
+	return nil
+}
+
+// keep makes rec, already written, the volume's state here, and returns a
+// copy of its volume for the caller.
+func (c *Controller) keep(rec *volumeRecord) *backend.Volume {
 	c.mu.Lock()
 	c.putVolume(rec)
 	c.mu.Unlock()
 	out := rec.Volume
-	return &out, nil
+	return &out
+}
+
+// putBack restores a volume's record, and its export where nodes hold it,
+// after ganesha refused a change: a retry then finds the old state and
+// does the work again.
+func (c *Controller) putBack(ctx context.Context, id volumeid.ID, old *volumeRecord) {
+	if err := fsutil.WriteJSONAtomic(c.volumeMeta(id), old); err != nil {
+		klog.ErrorS(err, "Restoring a volume record after ganesha refused a change", "volumeID", id)
+	}
+	if len(old.Volume.Attachments) > 0 {
+		if err := c.applyExport(ctx, old); err != nil {
+			klog.ErrorS(err, "Restoring an export after ganesha refused a change", "volumeID", id)
+		}
+	}
 }
 
 func (c *Controller) ExpandVolume(ctx context.Context, id volumeid.ID, bytes int64) (*backend.Volume, error) {
@@ -1013,11 +1084,7 @@ func (c *Controller) ExpandVolume(ctx context.Context, id volumeid.ID, bytes int
 	if err := fsutil.WriteJSONAtomic(c.volumeMeta(id), rec); err != nil {
 		return nil, status.Errorf(codes.Internal, "recording the size of %s: %v", id, err)
 	}
-	c.mu.Lock()
-	c.putVolume(rec)
-	c.mu.Unlock()
-	out := rec.Volume
-	return &out, nil
+	return c.keep(rec), nil
 }
 
 func (c *Controller) ListVolumes(ctx context.Context) ([]*backend.Volume, error) {

@@ -71,6 +71,33 @@ func (r *recordingGanesha) RemoveExport(_ context.Context, id uint16) error {
 }
 func (r *recordingGanesha) Exports(context.Context) ([]ganesha.ExportInfo, error) { return nil, nil }
 
+// Export answers from the file last applied: each CLIENT block's address,
+// access and squash, as ganesha would report them.
+func (r *recordingGanesha) Export(_ context.Context, id uint16) (ganesha.ExportInfo, error) {
+	file, ok := r.applied[id]
+	if !ok {
+		return ganesha.ExportInfo{}, &ganesha.Error{Name: "org.freedesktop.DBus.Error.InvalidArgs", Message: "no such export"}
+	}
+	info := ganesha.ExportInfo{ID: id}
+	for _, block := range strings.Split(file, "CLIENT {")[1:] {
+		var ci ganesha.ClientInfo
+		for _, raw := range strings.Split(block, "\n") {
+			key, val, _ := strings.Cut(strings.TrimSuffix(strings.TrimSpace(raw), ";"), " = ")
+			switch key {
+			case "Clients":
+				ci.Match = val
+				ci.Address, _ = netip.ParseAddr(val)
+			case "Access_Type":
+				ci.Access = val
+			case "Squash":
+				ci.Squash = ganesha.Squash(val)
+			}
+		}
+		info.Clients = append(info.Clients, ci)
+	}
+	return info, nil
+}
+
 // servedExport is what an export file grants.
 type servedExport struct {
 	access  string            // the export block's own Access_Type

@@ -2,6 +2,7 @@ package nfs_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -61,6 +62,11 @@ func (g *loggingGanesha) RemoveExport(_ context.Context, id uint16) error {
 	*g.log = append(*g.log, "remove "+filepath.Base(g.served[id]))
 	delete(g.served, id)
 	return nil
+}
+
+// Export is not needed of this stand-in: it only logs what is served.
+func (g *loggingGanesha) Export(context.Context, uint16) (ganesha.ExportInfo, error) {
+	return ganesha.ExportInfo{}, errors.New("loggingGanesha does not describe exports")
 }
 
 func (g *loggingGanesha) Exports(context.Context) ([]ganesha.ExportInfo, error) {

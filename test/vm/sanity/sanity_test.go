@@ -78,6 +78,7 @@ func TestSanityNFSKernelClientInVM(t *testing.T) {
 		return sanity.PathIsOther, nil
 	}
 	cfg.TestVolumeParameters = map[string]string{"backend": "nfs"}
+	cfg.TestVolumeMutableParameters = map[string]string{"rootSquash": "false"}
 	cfg.TestVolumeSize = 300 << 20
 	cfg.TestVolumeExpandSize = 364 << 20
 	cfg.IdempotentCount = 10
