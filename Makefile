@@ -5,7 +5,7 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 GOTEST_FLAGS ?= -race -count=1
 
-.PHONY: all build image bench cluster-up cluster-down conformance demo test test-vm test-e2e test-unit test-integration test-sanity fuzz vet fmt-check clean
+.PHONY: all build image bench cluster-up cluster-down conformance demo helm-lint test test-vm test-e2e test-unit test-integration test-sanity fuzz vet fmt-check clean
 
 all: build
 
@@ -37,6 +37,26 @@ export KUSTOMIZE
 
 $(KUSTOMIZE):
 	GOBIN=$(CURDIR)/_build/tools $(GO) install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION)
+
+# Helm v3, pinned like kustomize and built from the module proxy: the chart
+# (deploy/helm/modeguard) is linted and rendered against the kustomize base
+# in make test (test/deploy).
+HELM_VERSION := v3.22.0
+HELM := $(CURDIR)/_build/tools/helm
+export HELM
+
+# The link flags of Helm's own build: its version, and the Kubernetes
+# version its client libraries speak (what helm template and lint assume).
+HELM_LDFLAGS := -X helm.sh/helm/v3/internal/version.version=$(HELM_VERSION) \
+	-X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=37 \
+	-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=37
+
+$(HELM):
+	GOBIN=$(CURDIR)/_build/tools $(GO) install -ldflags '$(HELM_LDFLAGS)' helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
+
+helm-lint: $(HELM)
+	$(HELM) lint --strict deploy/helm/modeguard
+	$(HELM) template modeguard deploy/helm/modeguard --namespace modeguard >/dev/null
 
 cluster-up: build $(KUSTOMIZE)
 	bash hack/local-cluster/build.sh
@@ -92,7 +112,7 @@ demo: build ## a controller and three node plugins in two zones, walked through 
 
 # Every test. Tests that need root, loop devices and mounts skip themselves
 # (and say so) when run unprivileged; CI runs them as root.
-test: fmt-check vet build
+test: fmt-check vet build $(KUSTOMIZE) helm-lint
 	$(GO) test $(GOTEST_FLAGS) -timeout 20m ./...
 	$(MAKE) fuzz FUZZTIME=20000x
 	$(MAKE) test-vm

@@ -1,0 +1,237 @@
+// Package deploy checks the two ways the driver is installed against each
+// other: the Helm chart (deploy/helm/modeguard) must render the same
+// objects as the kustomize base (deploy/kubernetes/base) and its zone
+// groups, so that neither drifts from the other.
+package deploy
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"reflect"
+	"runtime"
+	"sort"
+	"strings"
+	"testing"
+
+	"k8s.io/apimachinery/pkg/util/yaml"
+)
+
+// repo is the repository's root.
+func repo(t *testing.T) string {
+	t.Helper()
+	_, file, _, _ := runtime.Caller(0)
+	return filepath.Join(filepath.Dir(file), "..", "..")
+}
+
+// tool finds a pinned tool: the path in the environment variable make
+// exports, else the one make builds under _build/tools.
+func tool(t *testing.T, env, name string) string {
+	t.Helper()
+	p := os.Getenv(env)
+	if p == "" {
+		p = filepath.Join(repo(t), "_build", "tools", name)
+	}
+	if _, err := os.Stat(p); err != nil {
+		t.Skipf("needs %s at its pinned version (make %s builds it; or set %s): %v", name, p, env, err)
+	}
+	return p
+}
+
+func run(t *testing.T, bin string, args ...string) []byte {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("%s %s: %v\n%s", filepath.Base(bin), strings.Join(args, " "), err, stderr.String())
+	}
+	return out
+}
+
+// objects decodes a YAML stream into objects keyed by kind/namespace/name.
+func objects(t *testing.T, stream []byte) map[string]map[string]any {
+	t.Helper()
+	out := map[string]map[string]any{}
+	dec := yaml.NewYAMLOrJSONDecoder(bytes.NewReader(stream), 4096)
+	for {
+		var obj map[string]any
+		err := dec.Decode(&obj)
+		if errors.Is(err, io.EOF) {
+			return out
+		}
+		if err != nil {
+			t.Fatalf("decoding: %v", err)
+		}
+		if obj == nil {
+			continue
+		}
+		meta, _ := obj["metadata"].(map[string]any)
+		key := fmt.Sprintf("%v/%v/%v", obj["kind"], meta["namespace"], meta["name"])
+		if _, dup := out[key]; dup {
+			t.Fatalf("%s appears twice", key)
+		}
+		out[key] = obj
+	}
+}
+
+// helmLabels are the labels the chart adds to every object's metadata and
+// the kustomize base does not have: Helm's bookkeeping, nothing else.
+var helmLabels = []string{"app.kubernetes.io/managed-by", "app.kubernetes.io/instance", "helm.sh/chart"}
+
+func withoutHelmLabels(t *testing.T, objs map[string]map[string]any) {
+	t.Helper()
+	for key, obj := range objs {
+		labels, _ := obj["metadata"].(map[string]any)["labels"].(map[string]any)
+		for _, l := range helmLabels {
+			if _, ok := labels[l]; !ok {
+				t.Errorf("chart object %s lacks the label %s", key, l)
+			}
+			delete(labels, l)
+		}
+	}
+}
+
+// compare reports every object one side has and the other lacks, and every
+// object that differs, with both renderings.
+func compare(t *testing.T, chart, kustomize map[string]map[string]any) {
+	t.Helper()
+	var keys []string
+	for k := range chart {
+		keys = append(keys, k)
+	}
+	for k := range kustomize {
+		if _, ok := chart[k]; !ok {
+			keys = append(keys, k)
+		}
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		c, inChart := chart[k]
+		b, inBase := kustomize[k]
+		switch {
+		case !inChart:
+			t.Errorf("%s: in the kustomize base, not rendered by the chart", k)
+		case !inBase:
+			t.Errorf("%s: rendered by the chart, not in the kustomize base", k)
+		case !reflect.DeepEqual(c, b):
+			t.Errorf("%s differs:\n%s", k, strings.Join(differences("", c, b), "\n"))
+		}
+	}
+}
+
+// differences lists the paths at which two decoded objects differ, with
+// both values.
+func differences(path string, chart, kustomize any) []string {
+	switch c := chart.(type) {
+	case map[string]any:
+		k, ok := kustomize.(map[string]any)
+		if !ok {
+			break
+		}
+		var out []string
+		keys := map[string]bool{}
+		for key := range c {
+			keys[key] = true
+		}
+		for key := range k {
+			keys[key] = true
+		}
+		sorted := make([]string, 0, len(keys))
+		for key := range keys {
+			sorted = append(sorted, key)
+		}
+		sort.Strings(sorted)
+		for _, key := range sorted {
+			out = append(out, differences(path+"."+key, c[key], k[key])...)
+		}
+		return out
+	case []any:
+		k, ok := kustomize.([]any)
+		if !ok || len(k) != len(c) {
+			break
+		}
+		var out []string
+		for i := range c {
+			out = append(out, differences(fmt.Sprintf("%s[%d]", path, i), c[i], k[i])...)
+		}
+		return out
+	}
+	if reflect.DeepEqual(chart, kustomize) {
+		return nil
+	}
+	return []string{fmt.Sprintf("  %s: chart %v, kustomize %v", path, chart, kustomize)}
+}
+
+func helmTemplate(t *testing.T, args ...string) map[string]map[string]any {
+	t.Helper()
+	helm := tool(t, "HELM", "helm")
+	out := run(t, helm, append([]string{"template", "modeguard", filepath.Join(repo(t), "deploy", "helm", "modeguard"),
+		"--namespace", "modeguard"}, args...)...)
+	objs := objects(t, out)
+	withoutHelmLabels(t, objs)
+	return objs
+}
+
+// TestChartRendersTheKustomizeBase: with its default values (and the
+// namespace made by the chart, as the base makes it), the chart renders
+// exactly the objects of deploy/kubernetes/base.
+func TestChartRendersTheKustomizeBase(t *testing.T) {
+	kustomize := tool(t, "KUSTOMIZE", "kustomize")
+	base := objects(t, run(t, kustomize, "build", filepath.Join(repo(t), "deploy", "kubernetes", "base")))
+	compare(t, helmTemplate(t, "--set", "createNamespace=true"), base)
+}
+
+// TestChartZonesAreTheZoneGroups: a second zone in the chart's values is
+// the node group deploy/kubernetes/zones/zone-b adds, object for object.
+func TestChartZonesAreTheZoneGroups(t *testing.T) {
+	kustomize := tool(t, "KUSTOMIZE", "kustomize")
+	zoneB := objects(t, run(t, kustomize, "build", filepath.Join(repo(t), "deploy", "kubernetes", "zones", "zone-b")))
+	chart := helmTemplate(t, "--set", "zones[0].name=zone-a", "--set", "zones[1].name=zone-b")
+	const key = "DaemonSet/modeguard/modeguard-node-zone-b"
+	if _, ok := zoneB[key]; !ok || len(zoneB) != 1 {
+		t.Fatalf("zones/zone-b renders %d objects, want %s alone", len(zoneB), key)
+	}
+	compare(t, map[string]map[string]any{key: chart[key]}, zoneB)
+	// The controller serves both zones' pools.
+	args := fmt.Sprint(chart["Deployment/modeguard/modeguard-controller"]["spec"])
+	for _, want := range []string{"--block-pool=zone-a=/var/lib/modeguard/pools/zone-a", "--block-pool=zone-b=/var/lib/modeguard/pools/zone-b"} {
+		if !strings.Contains(args, want) {
+			t.Errorf("the controller's arguments lack %s", want)
+		}
+	}
+}
+
+// TestChartRefusesBadValues: values.schema.json turns away values the
+// driver or Kubernetes would only refuse later, each with Helm's message
+// naming the value.
+func TestChartRefusesBadValues(t *testing.T) {
+	helm := tool(t, "HELM", "helm")
+	chart := filepath.Join(repo(t), "deploy", "helm", "modeguard")
+	for _, tc := range []struct{ name, set, mentions string }{
+		{"no zone", "zones=null", "zones"},
+		{"a zone name with a slash", "zones[0].name=zone/a", "zones"},
+		{"a relative pools directory", "poolsDir=pools", "poolsDir"},
+		{"an unknown filesystem", "storageClasses.block.fsType=btrfs", "fsType"},
+		{"a rootSquash that is not true or false", "storageClasses.nfs.rootSquash=maybe", "rootSquash"},
+		{"an unknown key", "replicas=2", "replicas"},
+		{"a pull policy Kubernetes does not know", "image.pullPolicy=Sometimes", "pullPolicy"},
+		{"a port out of range", "controller.metrics.port=70000", "port"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cmd := exec.Command(helm, "template", "modeguard", chart, "--namespace", "modeguard", "--set", tc.set)
+			out, err := cmd.CombinedOutput()
+			if err == nil {
+				t.Fatalf("helm template --set %s rendered:\n%s", tc.set, out)
+			}
+			if !strings.Contains(string(out), tc.mentions) {
+				t.Fatalf("helm's refusal does not name %s:\n%s", tc.mentions, out)
+			}
+		})
+	}
+}
