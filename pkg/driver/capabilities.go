@@ -13,6 +13,8 @@ func (d *Driver) pluginCapabilities() []*csi.PluginCapability {
 		Service: &csi.PluginCapability_Service{Type: csi.PluginCapability_Service_CONTROLLER_SERVICE}}}}
 	caps = append(caps,
 		&csi.PluginCapability{Type: &csi.PluginCapability_Service_{
+			Service: &csi.PluginCapability_Service{Type: csi.PluginCapability_Service_GROUP_CONTROLLER_SERVICE}}},
+		&csi.PluginCapability{Type: &csi.PluginCapability_Service_{
 			Service: &csi.PluginCapability_Service{Type: csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS}}},
 		&csi.PluginCapability{Type: &csi.PluginCapability_VolumeExpansion_{
 			VolumeExpansion: &csi.PluginCapability_VolumeExpansion{Type: csi.PluginCapability_VolumeExpansion_ONLINE}}},

@@ -1309,7 +1309,7 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 				"a snapshot named %q already exists (%s) of another volume, %s", req.GetName(), existing.ID, existing.SourceVolumeID)
 		}
 		if !existing.Cutting {
-			return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(existing)}, nil
+			return &csi.CreateSnapshotResponse{Snapshot: s.d.csiSnapshot(existing)}, nil
 		}
 		// Still copying: the backend waits for the copy, within this
 		// call's deadline, rather than answering "not ready" at once.
@@ -1330,7 +1330,7 @@ func (s *controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSn
 	} else {
 		klog.InfoS("Snapshot created", "snapshotID", snap.ID, "name", snap.Name, "source", snap.SourceVolumeID)
 	}
-	return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(snap)}, nil
+	return &csi.CreateSnapshotResponse{Snapshot: s.d.csiSnapshot(snap)}, nil
 }
 
 func (s *controllerServer) findSnapshotByKey(ctx context.Context, key string) (*backend.Snapshot, error) {
@@ -1372,6 +1372,12 @@ func (s *controllerServer) DeleteSnapshot(ctx context.Context, req *csi.DeleteSn
 		return nil, err
 	}
 	defer release()
+	if snap, err := ctrl.Snapshot(ctx, id); err == nil {
+		if group, _, member := s.d.groupMember(snap); member {
+			return nil, status.Errorf(codes.InvalidArgument,
+				"snapshot %s is a member of group snapshot %s and is deleted with it (DeleteVolumeGroupSnapshot), not alone", id, group)
+		}
+	}
 	if err := ctrl.DeleteSnapshot(ctx, id); err != nil {
 		return nil, err
 	}
@@ -1417,7 +1423,7 @@ func (s *controllerServer) ListSnapshots(ctx context.Context, req *csi.ListSnaps
 	}
 	resp := &csi.ListSnapshotsResponse{NextToken: next}
 	for _, snap := range snaps {
-		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: csiSnapshot(snap)})
+		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: s.d.csiSnapshot(snap)})
 	}
 	return resp, nil
 }
@@ -1438,7 +1444,7 @@ func (s *controllerServer) GetSnapshot(ctx context.Context, req *csi.GetSnapshot
 	if err != nil {
 		return nil, err
 	}
-	return &csi.GetSnapshotResponse{Snapshot: csiSnapshot(snap)}, nil
+	return &csi.GetSnapshotResponse{Snapshot: s.d.csiSnapshot(snap)}, nil
 }
 
 func wrapInt64(v int64) *wrapperspb.Int64Value { return wrapperspb.Int64(v) }

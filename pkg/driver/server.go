@@ -79,6 +79,7 @@ func (d *Driver) NewGRPCServer() *grpc.Server {
 	csi.RegisterIdentityServer(srv, &identityServer{d: d})
 	if d.HasRole(RoleController) {
 		csi.RegisterControllerServer(srv, &controllerServer{d: d})
+		csi.RegisterGroupControllerServer(srv, &groupControllerServer{d: d})
 	}
 	if d.HasRole(RoleNode) {
 		csi.RegisterNodeServer(srv, &nodeServer{d: d})
@@ -90,7 +91,8 @@ func (d *Driver) NewGRPCServer() *grpc.Server {
 // until the controller's backends are there: the state they read is not
 // this process's to act on before it holds the controller lock.
 func (d *Driver) controllerGate(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-	if strings.HasPrefix(info.FullMethod, "/csi.v1.Controller/") && !d.controllersReady.Load() {
+	controllerCall := strings.HasPrefix(info.FullMethod, "/csi.v1.Controller/") || strings.HasPrefix(info.FullMethod, "/csi.v1.GroupController/")
+	if controllerCall && !d.controllersReady.Load() {
 		why := "the controller is starting"
 		if w := d.waitingFor.Load(); w != nil {
 			why = *w

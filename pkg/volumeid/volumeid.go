@@ -6,6 +6,7 @@
 //
 //	<backend>:<zone>:vol-<key>    a volume, e.g. block:zone-a:vol-3f2a...
 //	<backend>:<zone>:snap-<key>   a snapshot
+//	<backend>:<zone>:grp-<key>    a group snapshot (its members are snapshots)
 //
 // where backend is block or nfs, zone is a Kubernetes label value (empty for
 // volumes reachable from every zone) and key is 32 lower-case hex digits.
@@ -23,12 +24,13 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 )
 
-// Kind tells volumes from snapshots.
+// Kind tells volumes, snapshots and group snapshots apart.
 type Kind string
 
 const (
-	Volume   Kind = "vol"
-	Snapshot Kind = "snap"
+	Volume        Kind = "vol"
+	Snapshot      Kind = "snap"
+	GroupSnapshot Kind = "grp"
 )
 
 // KeyLength is the number of hex digits in a key.
@@ -77,8 +79,8 @@ func (id ID) validate() error {
 	default:
 		return fmt.Errorf("backend %q is not one of block, nfs", id.Backend)
 	}
-	if id.Kind != Volume && id.Kind != Snapshot {
-		return fmt.Errorf("kind %q is not one of vol, snap", id.Kind)
+	if id.Kind != Volume && id.Kind != Snapshot && id.Kind != GroupSnapshot {
+		return fmt.Errorf("kind %q is not one of vol, snap, grp", id.Kind)
 	}
 	if !keyPattern.MatchString(id.Key) {
 		return fmt.Errorf("key %q is not %d lower-case hex digits", id.Key, KeyLength)
@@ -101,11 +103,11 @@ func (id ID) FileName() string {
 func Parse(s string) (ID, error) {
 	parts := strings.Split(s, ":")
 	if len(parts) != 3 {
-		return ID{}, fmt.Errorf("id %q is not of the form <backend>:<zone>:<vol|snap>-<key>", s)
+		return ID{}, fmt.Errorf("id %q is not of the form <backend>:<zone>:<vol|snap|grp>-<key>", s)
 	}
 	kind, key, ok := strings.Cut(parts[2], "-")
 	if !ok {
-		return ID{}, fmt.Errorf("id %q is not of the form <backend>:<zone>:<vol|snap>-<key>", s)
+		return ID{}, fmt.Errorf("id %q is not of the form <backend>:<zone>:<vol|snap|grp>-<key>", s)
 	}
 	id := ID{Backend: accessmode.Backend(parts[0]), Zone: parts[1], Kind: Kind(kind), Key: key}
 	if err := id.validate(); err != nil {

@@ -23,6 +23,7 @@ func TestParseAccepts(t *testing.T) {
 		{"block:zone-a:snap-" + key, ID{accessmode.BackendBlock, "zone-a", Snapshot, key}, "block_zone-a_snap-" + key},
 		{"nfs::vol-" + key, ID{accessmode.BackendNFS, "", Volume, key}, "nfs__vol-" + key},
 		{"nfs::snap-" + key2, ID{accessmode.BackendNFS, "", Snapshot, key2}, "nfs__snap-" + key2},
+		{"block:zone-a:grp-" + key, ID{accessmode.BackendBlock, "zone-a", GroupSnapshot, key}, "block_zone-a_grp-" + key},
 		{"nfs:eu-west-1b:vol-" + key, ID{accessmode.BackendNFS, "eu-west-1b", Volume, key}, "nfs_eu-west-1b_vol-" + key},
 		{"block:a:vol-" + key, ID{accessmode.BackendBlock, "a", Volume, key}, "block_a_vol-" + key},
 		{"block:Rack_3.row-B:vol-" + key, ID{accessmode.BackendBlock, "Rack_3.row-B", Volume, key}, "block_Rack_3.row-B_vol-" + key},
