@@ -99,13 +99,14 @@ binaries() {
   return $rc
 }
 
-# The snapshot.storage.k8s.io CRDs of the snapshotter's client module.
+# The snapshot.storage.k8s.io and groupsnapshot.storage.k8s.io CRDs of the
+# snapshotter's client module.
 crds() {
   local cdir
   cdir=$(moddir github.com/kubernetes-csi/external-snapshotter/client/v8 "$SNAPSHOTTER_VERSION")
   [[ -d $cdir/config/crd ]] || { log "no CRDs in client/v8@$SNAPSHOTTER_VERSION"; return 1; }
   mkdir -p "$WORK/crds"
-  cp "$cdir"/config/crd/snapshot.storage.k8s.io_*.yaml "$WORK/crds/"
+  cp "$cdir"/config/crd/snapshot.storage.k8s.io_*.yaml "$cdir"/config/crd/groupsnapshot.storage.k8s.io_*.yaml "$WORK/crds/"
   chmod u+w "$WORK"/crds/*.yaml
 }
 

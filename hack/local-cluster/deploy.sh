@@ -5,7 +5,9 @@
 # node's CSINode, then a PVC of modeguard-block + a pod using it, writes a file in it, prints
 # the result.
 # Needs: root, up.sh running, the archives of hack/images. CLEAN=1: delete the test pod+PVC
-# at the end (so the volume is unpublished and its loop device detached).
+# at the end (so the volume is unpublished and its loop device detached). DEPLOY_WITH=helm:
+# install deploy/helm/modeguard with hack/local-cluster/helm-values.yaml instead of the
+# overlay, replacing a kustomize deployment (its volumes deleted first); make test-e2e does.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -18,6 +20,10 @@ TESTNS=default
 export KUBECONFIG="$C/admin.kubeconfig"
 export PATH="$BUILD/k8s/bin:$BUILD/debs/bin:$PATH"
 KUSTOMIZE="${KUSTOMIZE:-$(command -v kustomize || echo "$BUILD/tools/kustomize")}"
+HELM="${HELM:-$BUILD/tools/helm}"
+# kustomize (deploy/kubernetes/overlays/local) or helm (deploy/helm/modeguard
+# with hack/local-cluster/helm-values.yaml).
+DEPLOY_WITH="${DEPLOY_WITH:-kustomize}"
 
 log() { printf '[deploy %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 die() { printf '[deploy %s] ERROR: %s\n' "$(date +%H:%M:%S)" "$*" >&2; exit 1; }
@@ -36,6 +42,11 @@ trap 'rc=$?; if (( rc != 0 )); then diag; fi' EXIT
 mapfile -t NODES < <(kubectl get nodes -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}' 2>/dev/null)
 ((${#NODES[@]})) || die "no cluster: run hack/local-cluster/up.sh first"
 [[ -x "$KUSTOMIZE" ]] || die "kustomize not found (set KUSTOMIZE)"
+case "$DEPLOY_WITH" in
+  kustomize) ;;
+  helm) [[ -x "$HELM" ]] || die "helm not found (make $HELM, or set HELM)" ;;
+  *) die "DEPLOY_WITH=$DEPLOY_WITH: kustomize or helm" ;;
+esac
 
 log "importing images into the containerd of ${NODES[*]}"
 for n in "${NODES[@]}"; do
@@ -63,10 +74,28 @@ for zone in zone-a zone-b; do
   mount -t xfs -o loop "$img" "$pool" || die "mounting the pool of $zone ($img)"
 done
 
-log "applying deploy/kubernetes/overlays/local"
-# The overlay's host paths assume the repository at /work/main.
-"$KUSTOMIZE" build "$REPO/deploy/kubernetes/overlays/local" | sed "s#/work/main/_build#$BUILD#g" \
-  | kubectl apply -f - >/dev/null
+# The overlay's and the values' host paths assume the repository at /work/main.
+if [[ "$DEPLOY_WITH" == helm ]]; then
+  if kubectl get namespace "$NS" >/dev/null 2>&1 && ! "$HELM" -n "$NS" status modeguard >/dev/null 2>&1; then
+    # Deployed with kustomize before (make cluster-up): its volumes go first,
+    # through the driver, then its objects, so the chart starts from nothing.
+    log "replacing the kustomize deployment: its volumes, then its objects"
+    bash "$HERE/undeploy.sh"
+    "$KUSTOMIZE" build "$REPO/deploy/kubernetes/overlays/local" | sed "s#/work/main/_build#$BUILD#g" \
+      | kubectl delete --wait=true --timeout="${WAIT}s" -f - >/dev/null
+  fi
+  log "installing deploy/helm/modeguard (values: hack/local-cluster/helm-values.yaml)"
+  kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+  kubectl label --overwrite namespace "$NS" pod-security.kubernetes.io/enforce=privileged \
+    pod-security.kubernetes.io/warn=privileged pod-security.kubernetes.io/audit=privileged >/dev/null
+  sed "s#/work/main/_build#$BUILD#g" "$HERE/helm-values.yaml" >"$BUILD/helm-values.yaml"
+  "$HELM" upgrade --install modeguard "$REPO/deploy/helm/modeguard" --namespace "$NS" \
+    --values "$BUILD/helm-values.yaml" >/dev/null
+else
+  log "applying deploy/kubernetes/overlays/local"
+  "$KUSTOMIZE" build "$REPO/deploy/kubernetes/overlays/local" | sed "s#/work/main/_build#$BUILD#g" \
+    | kubectl apply -f - >/dev/null
+fi
 
 log "waiting for the controller and node pods (<= ${WAIT}s)"
 kubectl -n "$NS" rollout status deployment/modeguard-controller --timeout="${WAIT}s"

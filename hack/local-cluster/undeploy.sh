@@ -71,3 +71,24 @@ if [[ -n "$leaks" ]]; then
   echo "$leaks" >&2
   exit 1
 fi
+
+# Installed with Helm (DEPLOY_WITH=helm deploy.sh): uninstall the release and check that it
+# took every object it made, cluster-wide and in the namespace (whose Pod Security labels
+# deploy.sh set, so it goes too). A kustomize deployment stays: the cluster goes down next.
+HELM="${HELM:-$BUILD/tools/helm}"
+NS=modeguard
+if [[ -x "$HELM" ]] && "$HELM" -n "$NS" status modeguard >/dev/null 2>&1; then
+  log "helm uninstall modeguard"
+  "$HELM" -n "$NS" uninstall modeguard --wait --timeout "${WAIT}s" >/dev/null
+  kubectl delete namespace "$NS" --wait=true --timeout="${WAIT}s" >/dev/null
+  left=$(kubectl get csidrivers,storageclasses,volumesnapshotclasses,clusterroles,clusterrolebindings \
+    -l app.kubernetes.io/instance=modeguard -o name 2>/dev/null || true)
+  left+=$(kubectl get csidriver "$DRIVER" -o name 2>/dev/null || true)
+  left+=$(kubectl get namespace "$NS" -o name 2>/dev/null || true)
+  if [[ -n "$left" ]]; then
+    log "ERROR: left after helm uninstall:"
+    echo "$left" >&2
+    exit 1
+  fi
+  log "helm uninstall left nothing of the release"
+fi

@@ -142,7 +142,7 @@ start kube-scheduler kube-scheduler \
   --bind-address=127.0.0.1 --leader-elect=false --profiling=false --v=1
 
 # ---------------------------------------------------------------- snapshots
-# The VolumeSnapshot CRDs and the snapshot-controller, built by hack/images/sidecars.sh from
+# The VolumeSnapshot and VolumeGroupSnapshot CRDs and the snapshot-controller, built by hack/images/sidecars.sh from
 # external-snapshotter: cluster parts (a CSI driver ships only the csi-snapshotter sidecar),
 # run here like the other controllers.
 SNAP="$BUILD/images/sidecars"
@@ -151,9 +151,12 @@ if [[ -x "$SNAP/bin/snapshot-controller" ]] && compgen -G "$SNAP/crds/*.yaml" >/
   "${KUBECTL[@]}" apply -f "$SNAP/crds" >/dev/null
   "${KUBECTL[@]}" wait --for=condition=Established --timeout="${WAIT}s" \
     crd/volumesnapshots.snapshot.storage.k8s.io crd/volumesnapshotcontents.snapshot.storage.k8s.io \
-    crd/volumesnapshotclasses.snapshot.storage.k8s.io >/dev/null
+    crd/volumesnapshotclasses.snapshot.storage.k8s.io \
+    crd/volumegroupsnapshots.groupsnapshot.storage.k8s.io crd/volumegroupsnapshotcontents.groupsnapshot.storage.k8s.io \
+    crd/volumegroupsnapshotclasses.groupsnapshot.storage.k8s.io >/dev/null
+  # Volume group snapshots are beta in the snapshotter, off unless asked for.
   start snapshot-controller "$SNAP/bin/snapshot-controller" --kubeconfig="$C/admin.kubeconfig" \
-    --leader-election=false --v=1
+    --leader-election=false --feature-gates=CSIVolumeGroupSnapshot=true --v=1
 else
   log "no snapshot-controller in $SNAP (hack/images/sidecars.sh binaries builds it): no VolumeSnapshots"
 fi

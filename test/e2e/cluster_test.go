@@ -55,7 +55,10 @@ const (
 	refusalTimeout = 90 * time.Second
 )
 
-var volumeSnapshots = schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshots"}
+var (
+	volumeSnapshots      = schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshots"}
+	volumeGroupSnapshots = schema.GroupVersionResource{Group: "groupsnapshot.storage.k8s.io", Version: "v1beta2", Resource: "volumegroupsnapshots"}
+)
 
 // cluster is one test's view of the cluster: clients and its own namespace.
 type cluster struct {
@@ -130,6 +133,16 @@ func (c *cluster) teardown() {
 	_ = c.cs.AppsV1().Deployments(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
 	_ = c.cs.AppsV1().StatefulSets(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
 	_ = c.cs.CoreV1().Pods(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
+	// Group snapshots first: their members go with them (a member alone
+	// is not deleted by the driver).
+	_ = c.dyn.Resource(volumeGroupSnapshots).Namespace(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
+	for ctx.Err() == nil {
+		l, err := c.dyn.Resource(volumeGroupSnapshots).Namespace(c.ns).List(ctx, metav1.ListOptions{})
+		if err != nil || len(l.Items) == 0 {
+			break
+		}
+		time.Sleep(time.Second)
+	}
 	_ = c.dyn.Resource(volumeSnapshots).Namespace(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
 	_ = c.cs.CoreV1().PersistentVolumeClaims(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
 	for {
@@ -296,10 +309,11 @@ func (c *cluster) createOne(obj runtime.Object) error {
 			})
 		}
 	case *unstructured.Unstructured:
-		if o.GetKind() != "VolumeSnapshot" {
+		gvr, ok := map[string]schema.GroupVersionResource{"VolumeSnapshot": volumeSnapshots, "VolumeGroupSnapshot": volumeGroupSnapshots}[o.GetKind()]
+		if !ok {
 			return fmt.Errorf("no client for kind %s", o.GetKind())
 		}
-		_, err = c.dyn.Resource(volumeSnapshots).Namespace(c.ns).Create(ctx, o, opts)
+		_, err = c.dyn.Resource(gvr).Namespace(c.ns).Create(ctx, o, opts)
 	case *appsv1.Deployment:
 		_, err = c.cs.AppsV1().Deployments(c.ns).Create(ctx, o, opts)
 	case *appsv1.StatefulSet:
