@@ -14,7 +14,6 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 	"k8s.io/klog/v2"
 
-	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
@@ -174,12 +173,14 @@ func groupSources(raw []string) ([]volumeid.ID, error) {
 	return ids, nil
 }
 
-// writers names the nodes a volume is attached to read/write.
+// writers names the nodes a volume is attached to read/write (an
+// attachment's ReadOnly already counts its mode, as ControllerPublishVolume
+// records it).
 func writers(vol *backend.Volume) []string {
 	var out []string
 	for _, a := range vol.Attachments {
-		if !a.ReadOnly && !accessmode.IsReadOnly(a.Mode) {
-			out = append(out, a.NodeID)
+		if !a.ReadOnly {
+			out = append(out, a.Node())
 		}
 	}
 	return out

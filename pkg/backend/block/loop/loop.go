@@ -79,7 +79,7 @@ func attach(ctx context.Context, dev, image string, readOnly bool) (Device, erro
 			}
 			return Device{}, err
 		}
-		return describe(dev, image, readOnly)
+		return describe(dev, image, readOnly), nil
 	}
 	for range freeRetries {
 		if err := ctx.Err(); err != nil {
@@ -96,7 +96,7 @@ func attach(ctx context.Context, dev, image string, readOnly bool) (Device, erro
 		if err != nil {
 			return Device{}, err
 		}
-		return describe(free, image, readOnly)
+		return describe(free, image, readOnly), nil
 	}
 	return Device{}, fmt.Errorf("attaching %s: every free loop device offered was taken before it could be bound (%d tries)", image, freeRetries)
 }
@@ -181,7 +181,7 @@ func AttachAt(ctx context.Context, dev, image string, readOnly bool) (Device, er
 	return attach(ctx, dev, image, readOnly)
 }
 
-func describe(dev, image string, readOnly bool) (Device, error) {
+func describe(dev, image string, readOnly bool) Device {
 	d := Device{Path: dev, ReadOnly: readOnly}
 	if v, err := readSys(dev, "loop/dio"); err == nil {
 		d.DirectIO = v == "1"
@@ -192,7 +192,7 @@ func describe(dev, image string, readOnly bool) (Device, error) {
 		// device's 512-byte sectors (a reflinked file on xfs).
 		klog.InfoS("Loop device uses buffered I/O", "image", image, "device", dev)
 	}
-	return d, nil
+	return d
 }
 
 // BackingFile returns the file dev is bound to, with the kernel's
@@ -377,7 +377,7 @@ func DetachIfBackedBy(ctx context.Context, dev, image string) (bool, error) {
 	if err != nil || !ours {
 		return false, err
 	}
-	if err := loopIoctl(dev, unix.LOOP_CLR_FD); err != nil {
+	if err := loopIoctl(dev, unix.LOOP_CLR_FD, 0); err != nil {
 		// Detached by someone else in the meantime: the goal is reached.
 		if backing, berr := BackingFile(dev); berr == nil && backing == "" {
 			return false, nil
@@ -401,15 +401,16 @@ func Refresh(ctx context.Context, dev string) error {
 	if !ValidDevice(dev) {
 		return fmt.Errorf("%q is not a loop device", dev)
 	}
-	return loopIoctl(dev, unix.LOOP_SET_CAPACITY)
+	return loopIoctl(dev, unix.LOOP_SET_CAPACITY, 0)
 }
 
-// loopIoctl issues an argument-less loop ioctl on dev: LOOP_CLR_FD, which
-// the kernel defers until the last opener closes the device (as losetup
-// --detach does), or LOOP_SET_CAPACITY. The device is opened for writing
-// where it can be (the kernel asks that of LOOP_SET_CAPACITY from a caller
-// without CAP_SYS_ADMIN), read-only where it is a read-only device.
-func loopIoctl(dev string, req uint) error {
+// loopIoctl issues an ioctl whose argument is a plain value on dev:
+// LOOP_CLR_FD, which the kernel defers until the last opener closes the
+// device (as losetup --detach does), LOOP_SET_CAPACITY or BLKRASET. The
+// device is opened for writing where it can be (the kernel asks that of
+// LOOP_SET_CAPACITY from a caller without CAP_SYS_ADMIN), read-only where
+// it is a read-only device.
+func loopIoctl(dev string, req uint, value int) error {
 	f, err := os.OpenFile(dev, os.O_RDWR|unix.O_CLOEXEC, 0)
 	if errors.Is(err, unix.EROFS) || errors.Is(err, unix.EACCES) {
 		f, err = os.OpenFile(dev, os.O_RDONLY|unix.O_CLOEXEC, 0)
@@ -418,8 +419,8 @@ func loopIoctl(dev string, req uint) error {
 		return fmt.Errorf("opening %s: %w", dev, err)
 	}
 	defer f.Close()
-	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), uintptr(req), 0); errno != 0 {
-		return fmt.Errorf("ioctl %#x on %s: %w", req, dev, errno)
+	if err := unix.IoctlSetInt(int(f.Fd()), req, value); err != nil {
+		return fmt.Errorf("ioctl %#x on %s: %w", req, dev, err)
 	}
 	return nil
 }
@@ -431,13 +432,8 @@ func SetReadAhead(dev string, kib uint64) error {
 	if !ValidDevice(dev) {
 		return fmt.Errorf("%q is not a loop device", dev)
 	}
-	f, err := os.OpenFile(dev, os.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
+	if err := loopIoctl(dev, unix.BLKRASET, int(kib*2)); err != nil {
 		return err
-	}
-	defer f.Close()
-	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), unix.BLKRASET, uintptr(kib*2)); errno != 0 {
-		return fmt.Errorf("BLKRASET on %s: %w", dev, errno)
 	}
 	got, err := ReadAhead(dev)
 	if err != nil {
@@ -510,11 +506,6 @@ func readSys(dev, attr string) (string, error) {
 		return "", err
 	}
 	return strings.TrimRight(string(data), "\n"), nil
-}
-
-func firstLine(b []byte) string {
-	line, _, _ := strings.Cut(string(b), "\n")
-	return strings.TrimSpace(line)
 }
 
 // Unused lists the loop devices bound to image that nothing uses: no
