@@ -114,3 +114,32 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 	return refuse(codes.FailedPrecondition, ReasonWriterLimit,
 		"volume is published read/write to node %q; %s; %s", writers[0], rule, advice)
 }
+
+// SoleWriterLeft reports whether a node that was a volume's only permitted
+// writer wrote under the attachments old and does not under now: it was
+// unpublished (perhaps force-detached after it died, which looks the same)
+// or holds the volume read-only now, and its mode allows one writer node
+// (every SINGLE_NODE_* mode that writes, MULTI_NODE_SINGLE_WRITER). A
+// server must then drop what that node's client holds on the volume, its
+// open files and locks, before the next writer comes: a partitioned client
+// keeps its lease alive through its other volumes, and its locks would
+// block the new writer forever. With several writer nodes allowed
+// (MULTI_NODE_MULTI_WRITER) the writers that stay share that state, and a
+// node leaving frees nothing of theirs.
+func SoleWriterLeft(old, now []Attachment) bool {
+	writesNow := map[string]bool{}
+	for _, a := range now {
+		if !a.ReadOnly {
+			writesNow[a.Node()] = true
+		}
+	}
+	for _, a := range old {
+		if a.ReadOnly || writesNow[a.Node()] {
+			continue
+		}
+		if l, ok := limitsOf(a.Mode); ok && l.writerNodes == 1 {
+			return true
+		}
+	}
+	return false
+}

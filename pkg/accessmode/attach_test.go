@@ -250,3 +250,44 @@ func describe(a Attachment) string {
 	}
 	return a.NodeID + ":" + Name(a.Mode) + ":" + rw
 }
+
+// TestSoleWriterLeft: which attachment changes must make a server drop the
+// open files and locks of a volume's clients.
+func TestSoleWriterLeft(t *testing.T) {
+	tests := []struct {
+		name     string
+		old, now []Attachment
+		want     bool
+	}{
+		{"RWO writer unpublished", holds(at("a", SingleNodeWriter, "rw")), nil, true},
+		{"RWOP writer unpublished", holds(at("a", SingleNodeSingleWriter, "rw")), nil, true},
+		{"single-node multi-writer unpublished", holds(at("a", SingleNodeMultiWriter, "rw")), nil, true},
+		{"RWO published read-only, unpublished", holds(at("a", SingleNodeWriter, "ro")), nil, false},
+		{"single-node reader unpublished", holds(at("a", SingleNodeReaderOnly, "ro")), nil, false},
+		{"ROX reader leaves, others stay", holds(at("a", MultiNodeReaderOnly, "ro"), at("b", MultiNodeReaderOnly, "ro")),
+			holds(at("b", MultiNodeReaderOnly, "ro")), false},
+		{"MNSW writer leaves, reader stays", holds(at("w", MultiNodeSingleWriter, "rw"), at("r", MultiNodeSingleWriter, "ro")),
+			holds(at("r", MultiNodeSingleWriter, "ro")), true},
+		{"MNSW reader leaves, writer stays", holds(at("w", MultiNodeSingleWriter, "rw"), at("r", MultiNodeSingleWriter, "ro")),
+			holds(at("w", MultiNodeSingleWriter, "rw")), false},
+		{"MNSW reader joins", holds(at("w", MultiNodeSingleWriter, "rw")),
+			holds(at("w", MultiNodeSingleWriter, "rw"), at("r", MultiNodeSingleWriter, "ro")), false},
+		{"MNSW writer now read-only", holds(at("w", MultiNodeSingleWriter, "rw")),
+			holds(at("w", MultiNodeSingleWriter, "ro")), true},
+		{"the writer's node under a new address is the same writer", holds(at("w@10.0.0.1", MultiNodeSingleWriter, "rw")),
+			holds(at("w@10.0.0.2", MultiNodeSingleWriter, "rw")), false},
+		{"RWX writer leaves, another stays", holds(at("a", MultiNodeMultiWriter, "rw"), at("b", MultiNodeMultiWriter, "rw")),
+			holds(at("b", MultiNodeMultiWriter, "rw")), false},
+		{"last RWX writer leaves", holds(at("a", MultiNodeMultiWriter, "rw")), nil, false},
+		{"first publish", nil, holds(at("a", SingleNodeWriter, "rw")), false},
+		{"nothing changes", holds(at("a", SingleNodeWriter, "rw")), holds(at("a", SingleNodeWriter, "rw")), false},
+		{"unknown mode", holds(Attachment{NodeID: "a", Mode: Mode(99)}), nil, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := SoleWriterLeft(tt.old, tt.now); got != tt.want {
+				t.Errorf("SoleWriterLeft(%v, %v) = %t, want %t", tt.old, tt.now, got, tt.want)
+			}
+		})
+	}
+}

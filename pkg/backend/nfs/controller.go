@@ -481,6 +481,11 @@ func (c *Controller) applyExport(ctx context.Context, rec *volumeRecord) error {
 		return err
 	}
 	defer unlock()
+	return c.applyExportLocked(ctx, rec, id, rel)
+}
+
+// applyExportLocked is applyExport with rel's inUse lock held.
+func (c *Controller) applyExportLocked(ctx context.Context, rec *volumeRecord, id volumeid.ID, rel string) error {
 	wasExported := c.isExported(rel)
 	if !wasExported {
 		if err := c.cfg.Storage.Ensure(ctx, rel); err != nil {
@@ -504,6 +509,36 @@ func (c *Controller) applyExport(ctx context.Context, rec *volumeRecord) error {
 	fpExportApplied.Hit()
 	c.setExported(rel, true)
 	klog.V(2).InfoS("Export served", "volumeID", rec.Volume.ID, "exportID", rec.ExportID, "clients", clientList(rec))
+	return nil
+}
+
+// reexport serves the volume's export anew, removed and added again rather
+// than updated, because the writer that left must lose its NFSv4 state
+// with its access: ganesha keeps a client's opens and locks through an
+// UpdateExport that drops the client, and frees them when the export goes.
+// The readers that stay lose theirs too; their kernel clients open their
+// files again on the next use. Between the two calls the export is gone
+// for a moment, and a reader's request then is answered as for a removed
+// export.
+func (c *Controller) reexport(ctx context.Context, rec *volumeRecord) error {
+	id, rel, unlock, err := c.lockInUse(ctx, rec)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	removed := false
+	if c.isExported(rel) {
+		if err := c.exporter.RemoveExport(ctx, rec.ExportID); err != nil && !ganesha.IsNotFound(err) {
+			c.controlFailed(OpRemoveExport)
+			return status.Errorf(codes.Unavailable, "removing the export of %s to release the state of the writer that left: %v", rec.Volume.ID, err)
+		}
+		removed = true
+	}
+	if err := c.applyExportLocked(ctx, rec, id, rel); err != nil {
+		return err
+	}
+	klog.V(2).InfoS("Export served anew: the volume's only writer left, its opens and locks are released",
+		"volumeID", rec.Volume.ID, "exportID", rec.ExportID, "removedFirst", removed, "clients", clientList(rec))
 	return nil
 }
 
@@ -973,11 +1008,24 @@ func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachm
 	}
 	fpAttachmentsRecorded.Hit()
 	serve := c.applyExport
-	if len(attachments) == 0 {
+	switch {
+	case len(attachments) == 0:
+		// Unexporting drops every client's open files and locks on it.
 		serve = c.withdrawExport
+	case accessmode.SoleWriterLeft(old.Volume.Attachments, attachments):
+		serve = c.reexport
 	}
 	if err := serve(ctx, rec); err != nil {
-		c.putBack(ctx, id, &old)
+		if len(attachments) < len(old.Volume.Attachments) {
+			// A node was leaving: the record keeps it, so that a retried
+			// unpublish does the work again, but ganesha is not told to
+			// serve it again. Whatever ganesha serves now (the old clients,
+			// the new ones, or nothing after a failed re-export) is at most
+			// what the old export granted.
+			c.putBackRecord(id, &old)
+		} else {
+			c.putBack(ctx, id, &old)
+		}
 		return nil, err
 	}
 	return c.keep(rec), nil
@@ -1051,13 +1099,18 @@ func (c *Controller) keep(rec *volumeRecord) *backend.Volume {
 // after ganesha refused a change: a retry then finds the old state and
 // does the work again.
 func (c *Controller) putBack(ctx context.Context, id volumeid.ID, old *volumeRecord) {
-	if err := fsutil.WriteJSONAtomic(c.volumeMeta(id), old); err != nil {
-		klog.ErrorS(err, "Restoring a volume record after ganesha refused a change", "volumeID", id)
-	}
+	c.putBackRecord(id, old)
 	if len(old.Volume.Attachments) > 0 {
 		if err := c.applyExport(ctx, old); err != nil {
 			klog.ErrorS(err, "Restoring an export after ganesha refused a change", "volumeID", id)
 		}
+	}
+}
+
+// putBackRecord restores a volume's record only.
+func (c *Controller) putBackRecord(id volumeid.ID, old *volumeRecord) {
+	if err := fsutil.WriteJSONAtomic(c.volumeMeta(id), old); err != nil {
+		klog.ErrorS(err, "Restoring a volume record after ganesha refused a change", "volumeID", id)
 	}
 }
 

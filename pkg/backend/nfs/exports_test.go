@@ -42,30 +42,33 @@ func startedController(t *testing.T, ctx context.Context, storage nfs.Storage, e
 // name and returns its id.
 func createMultiWriter(t *testing.T, ctx context.Context, ctrl *nfs.Controller, name string) volumeid.ID {
 	t.Helper()
-	id, err := volumeid.New(accessmode.BackendNFS, "", volumeid.Volume, volumeid.KeyFor("test", volumeid.Volume, name))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ctrl.CreateVolume(ctx, backend.VolumeSpec{ID: id, Name: name, CapacityBytes: 1 << 20,
-		AccessType: accessmode.Mount, Modes: []accessmode.Mode{accessmode.MultiNodeMultiWriter}}); err != nil {
-		t.Fatal(err)
-	}
-	return id
+	return createWithMode(t, ctx, ctrl, name, accessmode.MultiNodeMultiWriter)
 }
 
 // recordingGanesha keeps the export file as it was each time ganesha was
 // told to apply it: what ganesha would have served.
-type recordingGanesha struct{ applied map[uint16]string }
+// ops lists the calls in order ("apply 3", "remove 3"); failRemove, when
+// set, is the error RemoveExport answers.
+type recordingGanesha struct {
+	applied    map[uint16]string
+	ops        []string
+	failRemove error
+}
 
 func (r *recordingGanesha) ApplyExport(_ context.Context, confPath string, id uint16) error {
 	data, err := os.ReadFile(confPath)
 	if err != nil {
 		return err
 	}
+	r.ops = append(r.ops, "apply "+strconv.Itoa(int(id)))
 	r.applied[id] = string(data)
 	return nil
 }
 func (r *recordingGanesha) RemoveExport(_ context.Context, id uint16) error {
+	if r.failRemove != nil {
+		return r.failRemove
+	}
+	r.ops = append(r.ops, "remove "+strconv.Itoa(int(id)))
 	delete(r.applied, id)
 	return nil
 }

@@ -21,8 +21,8 @@ import (
 // POSIX locks belong to a process: they never conflict with another lock of
 // the same process and all go when the process closes any descriptor of the
 // file. So the agent takes none itself; each lock is taken by a child: the
-// agent binary again, run as "agent lock-child hold|try PATH START LEN
-// WAIT". The child speaks JSON lines: on stdout its answer, on stdin (hold
+// agent binary again, run as "agent lock-child hold|try|try-read PATH
+// START LEN WAIT" (try-read: a read lock through a read-only descriptor). The child speaks JSON lines: on stdout its answer, on stdin (hold
 // only) the commands that follow. A holder whose stdin closes (the agent
 // died) exits, and its lock goes with it.
 const lockChildArg = "lock-child"
@@ -56,6 +56,12 @@ func lockOf(start, length int64) *syscall.Flock_t {
 	return &syscall.Flock_t{Type: syscall.F_WRLCK, Whence: io.SeekStart, Start: start, Len: length}
 }
 
+func readLockOf(start, length int64) *syscall.Flock_t {
+	l := lockOf(start, length)
+	l.Type = syscall.F_RDLCK
+	return l
+}
+
 // lockChild is the child's main: it never returns.
 func lockChild(args []string) {
 	out := json.NewEncoder(os.Stdout)
@@ -64,7 +70,7 @@ func lockChild(args []string) {
 		os.Exit(1)
 	}
 	if len(args) != 5 {
-		fail("usage", fmt.Errorf("%s hold|try PATH START LEN WAIT", lockChildArg))
+		fail("usage", fmt.Errorf("%s hold|try|try-read PATH START LEN WAIT", lockChildArg))
 	}
 	mode, path := args[0], args[1]
 	start, err1 := strconv.ParseInt(args[2], 10, 64)
@@ -73,9 +79,12 @@ func lockChild(args []string) {
 	if err := errors.Join(err1, err2, err3); err != nil {
 		fail("arguments", err)
 	}
-	flags := os.O_RDWR
-	if mode == "hold" {
+	flags, want := os.O_RDWR, lockOf(start, length)
+	switch mode {
+	case "hold":
 		flags |= os.O_CREATE
+	case "try-read":
+		flags, want, mode = os.O_RDONLY, readLockOf(start, length), "try"
 	}
 	f, err := os.OpenFile(path, flags, 0o644)
 	if err != nil {
@@ -85,7 +94,7 @@ func lockChild(args []string) {
 	if wait {
 		cmd = syscall.F_SETLKW
 	}
-	err = syscall.FcntlFlock(f.Fd(), cmd, lockOf(start, length))
+	err = syscall.FcntlFlock(f.Fd(), cmd, want)
 	if mode == "try" {
 		switch {
 		case err == nil:
@@ -97,8 +106,8 @@ func lockChild(args []string) {
 			_ = out.Encode(childAnswer{Outcome: agentapi.LockAcquired})
 		case errors.Is(err, syscall.EAGAIN) || errors.Is(err, syscall.EACCES):
 			a := childAnswer{Outcome: agentapi.LockDenied, Errno: errnoOf(err), Error: err.Error()}
-			probe := lockOf(start, length)
-			if gerr := syscall.FcntlFlock(f.Fd(), syscall.F_GETLK, probe); gerr == nil && probe.Type != syscall.F_UNLCK {
+			probe := *want
+			if gerr := syscall.FcntlFlock(f.Fd(), syscall.F_GETLK, &probe); gerr == nil && probe.Type != syscall.F_UNLCK {
 				typ := "read"
 				if probe.Type == syscall.F_WRLCK {
 					typ = "write"
@@ -313,7 +322,11 @@ func tryLock(ctx context.Context, req *agentapi.LockRequest) (any, error) {
 	tctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	req.Wait = false
-	c, a, err := startLockChild(tctx, "try", req)
+	mode := "try"
+	if req.Read {
+		mode = "try-read"
+	}
+	c, a, err := startLockChild(tctx, mode, req)
 	switch {
 	case err != nil && tctx.Err() != nil:
 		return &agentapi.TryLockResponse{Outcome: agentapi.LockBlocked, Error: fmt.Sprintf("no answer within %v", timeout)}, nil

@@ -71,7 +71,7 @@ const (
 	PathLockTry     = "/lock/try"     // LockRequest -> TryLockResponse
 )
 
-// LockRequest names a write lock on Len bytes of the file at Path from
+// LockRequest names a write lock (or, with Read, a read lock) on Len bytes of the file at Path from
 // Start (Len 0: to the end of the file and beyond, so Start 0 and Len 0
 // lock the whole file). /lock/hold opens the file (creating it) in a new
 // process that takes the lock, waiting for it (F_SETLKW) when Wait is set,
@@ -85,6 +85,9 @@ type LockRequest struct {
 	Len       int64  `json:"len,omitempty"`
 	Wait      bool   `json:"wait,omitempty"`
 	TimeoutMS int64  `json:"timeout_ms,omitempty"`
+	// Read makes /lock/try try a read lock, through a read-only
+	// descriptor, as a reader of a read-only mount can.
+	Read bool `json:"read,omitempty"`
 }
 
 // HoldResponse identifies the process holding a lock (ID for the other

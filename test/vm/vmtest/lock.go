@@ -65,8 +65,17 @@ func (h *LockHolder) Release(ctx context.Context) error {
 // returned after timeout (the kernel NFS client retries while the server
 // is in grace) or LockFailed; err is for transport failures only.
 func (v *VM) TryLock(ctx context.Context, path string, start, length int64, timeout time.Duration) (agentapi.TryLockResponse, error) {
+	return v.tryLock(ctx, agentapi.LockRequest{Path: path, Start: start, Len: length, TimeoutMS: timeout.Milliseconds()})
+}
+
+// TryReadLock is TryLock for a read lock, through a read-only descriptor.
+func (v *VM) TryReadLock(ctx context.Context, path string, start, length int64, timeout time.Duration) (agentapi.TryLockResponse, error) {
+	return v.tryLock(ctx, agentapi.LockRequest{Path: path, Start: start, Len: length, TimeoutMS: timeout.Milliseconds(), Read: true})
+}
+
+func (v *VM) tryLock(ctx context.Context, req agentapi.LockRequest) (agentapi.TryLockResponse, error) {
 	var resp agentapi.TryLockResponse
-	err := v.call(ctx, agentapi.PathLockTry, agentapi.LockRequest{Path: path, Start: start, Len: length, TimeoutMS: timeout.Milliseconds()}, &resp)
+	err := v.call(ctx, agentapi.PathLockTry, req, &resp)
 	if err == nil && resp.Outcome == "" {
 		err = fmt.Errorf("%s: /lock/try gave no outcome", v.Name)
 	}
