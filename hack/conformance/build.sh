@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds what the conformance run needs into _build/conformance/, from the Go
 # module proxy through the scratch module e2e-build/ (never the repository's
-# root go.mod), for the local cluster's Kubernetes version (v1.33.13):
+# root go.mod), for the local cluster's Kubernetes version (hack/local-cluster/k8s-version.sh):
 #   e2e.test  Kubernetes' e2e binary (go test -c k8s.io/kubernetes/test/e2e)
 #   ginkgo    the Ginkgo CLI of the same ginkgo version, for parallel runs
 #   agnhost   the agnhost test image's binary (hack/conformance/images.sh)
@@ -19,6 +19,11 @@ log() { printf '[conformance-build %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 mkdir -p "$OUT"
 cd "$HERE/e2e-build"
 
+# Binaries of another version (k8s-version.sh changed) are all rebuilt.
+if [[ "$(cat "$OUT/VERSION" 2>/dev/null || true)" != "$K8S_VERSION" ]]; then
+  FORCE=1
+  rm -f "$OUT/VERSION"
+fi
 if [[ "$FORCE" == 1 || ! -x "$OUT/e2e.test" ]]; then
   log "building e2e.test ($K8S_VERSION)"
   start=$(date +%s)
@@ -31,4 +36,5 @@ if [[ "$FORCE" == 1 || ! -x "$OUT/ginkgo" || ! -x "$OUT/agnhost" ]]; then
   CGO_ENABLED=0 go build -trimpath -ldflags "$K8S_LDFLAGS" -o "$OUT/" \
     github.com/onsi/ginkgo/v2/ginkgo k8s.io/kubernetes/test/images/agnhost
 fi
+echo "$K8S_VERSION" > "$OUT/VERSION"
 log "e2e.test, ginkgo and agnhost in $OUT"

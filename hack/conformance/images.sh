@@ -3,9 +3,9 @@
 # imported into the containerd of every node of the local cluster (whose pods
 # cannot pull; the suites use IfNotPresent, so an image with the right name is
 # used as it is):
-#   e2e-test-images/busybox:1.36.1-1   Debian's busybox-static (almost every spec)
+#   e2e-test-images/busybox:1.37.0-1   Debian's busybox-static (almost every spec)
 #   e2e-test-images/nginx:1.14-4       the same busybox (the exec spec runs /bin/sh)
-#   e2e-test-images/agnhost:2.53       agnhost built from k8s.io/kubernetes (build.sh)
+#   e2e-test-images/agnhost:2.56       agnhost built from k8s.io/kubernetes (build.sh)
 #                                      on busybox (hostexec pods, subPath)
 #   e2e-test-images/jessie-dnsutils:1.7  a Debian rootfs (multiVolume's block specs
 #                                      run GNU dd oflag=nocache, sha256sum, blockdev)
@@ -40,14 +40,14 @@ fresh() {
 if ! fresh "$OUT/busybox.tar" "$BUSYBOX"; then
   root=$(mktemp -d "$OUT/rootfs.XXXXXX")
   busybox_rootfs "$root" "$BUSYBOX"
-  docker_archive "$OUT/busybox.tar" "$REG/busybox:1.36.1-1" 'null' '["/bin/sh"]' "$root" "$REG/nginx:1.14-4"
+  docker_archive "$OUT/busybox.tar" "$REG/busybox:1.37.0-1" 'null' '["/bin/sh"]' "$root" "$REG/nginx:1.14-4"
   rm -rf "$root"
 fi
 if ! fresh "$OUT/agnhost.tar" "$BUSYBOX" "$AGNHOST"; then
   root=$(mktemp -d "$OUT/rootfs.XXXXXX")
   busybox_rootfs "$root" "$BUSYBOX"
   install -m 0755 "$AGNHOST" "$root/agnhost"
-  docker_archive "$OUT/agnhost.tar" "$REG/agnhost:2.53" '["/agnhost"]' '["pause"]' "$root"
+  docker_archive "$OUT/agnhost.tar" "$REG/agnhost:2.56" '["/agnhost"]' '["pause"]' "$root"
   rm -rf "$root"
 fi
 if ! fresh "$OUT/jessie-dnsutils.tar" "$DEBIAN"; then

@@ -29,7 +29,7 @@ case "$DRIVER" in
   block|nfs) ;;
   *) echo "DRIVER must be block or nfs, not $DRIVER" >&2; exit 2 ;;
 esac
-SUITES="${SUITES:-provisioning|volumes|volumeIO|volumeMode|subPath|multiVolume|read-write-once-pod|topology|snapshottable|volume-expand|fsgroupchangepolicy|ephemeral|volumeLimits|capacity|snapshottable-stress|volume-stress}"
+SUITES="${SUITES:-provisioning|volume-modify|volumes|volumeIO|volumeMode|subPath|multiVolume|read-write-once-pod|topology|snapshottable|volume-expand|fsgroupchangepolicy|ephemeral|volumeLimits|capacity|snapshottable-stress|volume-stress}"
 DRIVER_FILE="$REPO/test/conformance/$DRIVER.yaml"
 [[ -f "$DRIVER_FILE" ]] || { echo "no driver file $DRIVER_FILE" >&2; exit 2; }
 

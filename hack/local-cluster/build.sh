@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the pieces of a local, kind-less Kubernetes cluster into _build/:
 #   _build/k8s/bin/{kube-apiserver,kube-controller-manager,kube-scheduler,kubelet,kubectl}
-#     v1.33.13, compiled from the Go module proxy through the scratch module in
+#     at hack/local-cluster/k8s-version.sh's version, compiled from the Go module proxy through the scratch module in
 #     hack/local-cluster/k8s-build (never the repository's root go.mod);
 #   _build/debs/root/usr/bin/{etcd,etcdctl,containerd,containerd-shim-runc-v2,ctr,runc,busybox}
 #     unpacked from Debian .debs (apt-get download + dpkg-deb -x, nothing installed system-wide);
@@ -60,9 +60,11 @@ done
 
 # --- Kubernetes --------------------------------------------------------------
 CMDS=(kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl)
+# The binaries of another version (k8s-version.sh changed) are all rebuilt.
+built_version=$(cat "$K8S_BIN/VERSION" 2>/dev/null || true)
 missing=()
 for c in "${CMDS[@]}"; do
-  if [[ "$FORCE" == 1 || ! -x "$K8S_BIN/$c" ]]; then missing+=("$c"); fi
+  if [[ "$FORCE" == 1 || "$built_version" != "$K8S_VERSION" || ! -x "$K8S_BIN/$c" ]]; then missing+=("$c"); fi
 done
 if ((${#missing[@]} == 0)); then
   log "Kubernetes $K8S_VERSION binaries already in $K8S_BIN"
@@ -77,7 +79,9 @@ pkgs=()
 for c in "${missing[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$c"); done
 log "building ${missing[*]} ($K8S_VERSION); about 8 minutes cold on 2 cores"
 start=$(date +%s)
+rm -f "$K8S_BIN/VERSION"
 CGO_ENABLED=0 go build -trimpath -ldflags "$K8S_LDFLAGS" -o "$K8S_BIN/" "${pkgs[@]}"
+echo "$K8S_VERSION" > "$K8S_BIN/VERSION"
 log "Kubernetes build took $(( $(date +%s) - start )) s"
 ls -l "$K8S_BIN"
 )

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Starts a Kubernetes v1.33.13 cluster on this machine, without kind or Docker: etcd,
+# Starts a Kubernetes v1.34.4 cluster on this machine, without kind or Docker: etcd,
 # kube-apiserver, kube-controller-manager, kube-scheduler and, per node, a containerd and a
 # kubelet. The nodes (NODES, "name=zone ..."; the default below):
 #   127.0.0.1  zone-a

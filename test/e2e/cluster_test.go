@@ -308,6 +308,13 @@ func (c *cluster) createOne(obj runtime.Object) error {
 				_ = c.cs.StorageV1().StorageClasses().Delete(context.Background(), o.Name, metav1.DeleteOptions{})
 			})
 		}
+	case *storagev1.VolumeAttributesClass:
+		_, err = c.cs.StorageV1().VolumeAttributesClasses().Create(ctx, o, opts)
+		if err == nil {
+			c.t.Cleanup(func() {
+				_ = c.cs.StorageV1().VolumeAttributesClasses().Delete(context.Background(), o.Name, metav1.DeleteOptions{})
+			})
+		}
 	case *unstructured.Unstructured:
 		gvr, ok := map[string]schema.GroupVersionResource{"VolumeSnapshot": volumeSnapshots, "VolumeGroupSnapshot": volumeGroupSnapshots}[o.GetKind()]
 		if !ok {

@@ -9,8 +9,8 @@ package e2ebuild
 
 import (
 	_ "github.com/onsi/ginkgo/v2/ginkgo"
+	_ "go.yaml.in/yaml/v2"
 	_ "k8s.io/kubernetes/test/images/agnhost"
-	_ "sigs.k8s.io/yaml/goyaml.v2"
 
 	_ "k8s.io/component-base/version"
 	_ "k8s.io/klog/v2"
