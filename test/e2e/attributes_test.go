@@ -69,6 +69,15 @@ func (c *cluster) exportSquash(pv *corev1.PersistentVolume) string {
 	return ""
 }
 
+// wantSquash fails the test unless the Squash line of the volume's export
+// file is want.
+func (c *cluster) wantSquash(pv *corev1.PersistentVolume, want, when string) {
+	c.t.Helper()
+	if got := c.exportSquash(pv); got != want {
+		c.fatalf("%s the export says Squash = %q, want %s", when, got, want)
+	}
+}
+
 // readAheadKiB is the read-ahead of the loop device backing a block volume
 // in its zone's pool, as the kernel reports it in sysfs.
 func (c *cluster) readAheadKiB(pv *corev1.PersistentVolume, zone string) string {
@@ -114,13 +123,9 @@ func TestVolumeAttributesClassChangesAVolume(t *testing.T) {
 		c.fatalf("squash-claim was created with class %q, want modeguard-nfs-squashed", current)
 	}
 	c.waitExportClients(nfsPV, nodeA1+" RW")
-	if got := c.exportSquash(nfsPV); got != "root_squash" {
-		c.fatalf("export of squash-claim: Squash = %q, want root_squash", got)
-	}
+	c.wantSquash(nfsPV, "root_squash", "created with modeguard-nfs-squashed,")
 	c.setAttributesClass("squash-claim", "modeguard-nfs-root")
-	if got := c.exportSquash(nfsPV); got != "no_root_squash" {
-		c.fatalf("after the change to modeguard-nfs-root the export says Squash = %q, want no_root_squash", got)
-	}
+	c.wantSquash(nfsPV, "no_root_squash", "after the change to modeguard-nfs-root")
 
 	t.Log("NFS: a block-only attribute is refused, and the volume keeps its class")
 	c.patchAttributesClass("squash-claim", "modeguard-block-readahead")
@@ -133,14 +138,10 @@ func TestVolumeAttributesClassChangesAVolume(t *testing.T) {
 	if current, _ := c.claimAttributesClass("squash-claim"); current != "modeguard-nfs-root" {
 		c.fatalf("after a refused change squash-claim reports class %q, want modeguard-nfs-root", current)
 	}
-	if got := c.exportSquash(nfsPV); got != "no_root_squash" {
-		c.fatalf("after a refused change the export says Squash = %q, want no_root_squash", got)
-	}
+	c.wantSquash(nfsPV, "no_root_squash", "after a refused change")
 	// Back to a class the volume can have: the refusal left nothing stuck.
 	c.setAttributesClass("squash-claim", "modeguard-nfs-squashed")
-	if got := c.exportSquash(nfsPV); got != "root_squash" {
-		c.fatalf("after the change back the export says Squash = %q, want root_squash", got)
-	}
+	c.wantSquash(nfsPV, "root_squash", "after the change back")
 
 	t.Log("block: the read-ahead of the class at creation, then of the new class at the next stage")
 	c.create(&corev1.PersistentVolumeClaim{

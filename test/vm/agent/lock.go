@@ -22,8 +22,9 @@ import (
 // the same process and all go when the process closes any descriptor of the
 // file. So the agent takes none itself; each lock is taken by a child: the
 // agent binary again, run as "agent lock-child hold|try|try-read PATH
-// START LEN WAIT" (try-read: a read lock through a read-only descriptor). The child speaks JSON lines: on stdout its answer, on stdin (hold
-// only) the commands that follow. A holder whose stdin closes (the agent
+// START LEN WAIT" (try-read: a read lock through a read-only descriptor).
+// The child speaks JSON lines: on stdout its answer, on stdin (hold only)
+// the commands that follow. A holder whose stdin closes (the agent
 // died) exits, and its lock goes with it.
 const lockChildArg = "lock-child"
 
