@@ -8,6 +8,7 @@
 package loop
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -16,6 +17,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"time"
 	"unsafe"
 
 	"github.com/moby/sys/mountinfo"
@@ -372,6 +374,16 @@ func canonical(path string) (string, error) {
 // name (NamedBy: the image, or a deleted one of that name), so a device
 // that has since been handed to someone else is never taken from them. It
 // reports whether it detached anything.
+//
+// It returns once the kernel has let go of the image, not when it was
+// asked to: LOOP_CLR_FD only marks a device that someone else holds open
+// (a filesystem on it still mounted in another mount namespace, a process
+// reading it) to be detached at its last close. Until then the image is
+// still in use, and a caller that moves on (unmounts the pool, lets
+// another node attach the volume) would do so on a device that is still
+// bound. So it waits, for at most DetachWait or ctx's deadline, and then
+// fails, naming what holds the device where it can tell; the device stays
+// marked, and a retry finds it bound and waits again.
 func DetachIfBackedBy(ctx context.Context, dev, image string) (bool, error) {
 	ours, err := NamedBy(dev, image)
 	if err != nil || !ours {
@@ -384,7 +396,83 @@ func DetachIfBackedBy(ctx context.Context, dev, image string) (bool, error) {
 		}
 		return false, err
 	}
+	if err := waitReleased(ctx, dev, image); err != nil {
+		return false, err
+	}
 	return true, nil
+}
+
+// DetachWait bounds how long a detach waits for the last other opener of a
+// device to close it.
+const DetachWait = 10 * time.Second
+
+// waitReleased waits until dev is no longer bound to a file of image's
+// name: unbound, or bound again to something else by whoever took the
+// freed device.
+func waitReleased(ctx context.Context, dev, image string) error {
+	ctx, cancel := context.WithTimeout(ctx, DetachWait)
+	defer cancel()
+	delay := time.Millisecond
+	for {
+		ours, err := NamedBy(dev, image)
+		if err != nil {
+			return fmt.Errorf("checking that %s let go of %s: %w", dev, image, err)
+		}
+		if !ours {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%s is still bound to %s after detaching it: %s; the kernel detaches it when that is closed: %w",
+				dev, image, describeHolders(dev), ctx.Err())
+		case <-time.After(delay):
+		}
+		delay = min(2*delay, 50*time.Millisecond)
+	}
+}
+
+// describeHolders says who keeps dev open, as far as /proc tells: the
+// processes whose mount namespace has a filesystem of dev mounted, and
+// those holding the device node open. It is only asked when a detach
+// could not finish, to make that error actionable.
+func describeHolders(dev string) string {
+	var st unix.Stat_t
+	if err := unix.Stat(dev, &st); err != nil {
+		return "it is held open by someone"
+	}
+	devField := fmt.Sprintf(" %d:%d ", unix.Major(st.Rdev), unix.Minor(st.Rdev))
+	procs, _ := os.ReadDir("/proc")
+	var mounted, open []string
+	for _, p := range procs {
+		if _, err := strconv.Atoi(p.Name()); err != nil {
+			continue
+		}
+		if len(mounted) < 3 {
+			if info, err := os.ReadFile("/proc/" + p.Name() + "/mountinfo"); err == nil && bytes.Contains(info, []byte(devField)) {
+				mounted = append(mounted, p.Name())
+			}
+		}
+		if len(open) < 3 {
+			fds, _ := os.ReadDir("/proc/" + p.Name() + "/fd")
+			for _, fd := range fds {
+				if target, err := os.Readlink("/proc/" + p.Name() + "/fd/" + fd.Name()); err == nil && target == dev {
+					open = append(open, p.Name())
+					break
+				}
+			}
+		}
+	}
+	var parts []string
+	if len(mounted) > 0 {
+		parts = append(parts, "a filesystem on it is mounted in the mount namespace of process "+strings.Join(mounted, ", "))
+	}
+	if len(open) > 0 {
+		parts = append(parts, "it is open in process "+strings.Join(open, ", "))
+	}
+	if len(parts) == 0 {
+		return "it is held open by someone"
+	}
+	return strings.Join(parts, "; ")
 }
 
 // ReadOnly reports whether the kernel refuses writes to dev.

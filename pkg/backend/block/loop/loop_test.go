@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 const mib = int64(1) << 20
@@ -405,5 +406,84 @@ func TestAttachAtATakenDeviceLeavesItAlone(t *testing.T) {
 	}
 	if same, err := BoundTo(dev, theirs); err != nil || !same {
 		t.Fatalf("%s no longer bound to the other image: %v, %v", dev, same, err)
+	}
+}
+
+// A detach returns once the kernel has let go of the image: while someone
+// else holds the device open the kernel only marks it, and the detach waits
+// for that opener to close it rather than report a device that is still
+// bound as detached.
+func TestDetachWaitsForTheLastOpener(t *testing.T) {
+	dir := scratch(t)
+	image := filepath.Join(dir, "held.img")
+	sparseFile(t, image, 8*mib)
+	ctx := context.Background()
+	dev, err := Attach(ctx, image, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	holder, err := os.Open(dev.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	released := make(chan struct{})
+	go func() {
+		time.Sleep(300 * time.Millisecond)
+		close(released)
+		holder.Close()
+	}()
+	done, err := DetachIfBackedBy(ctx, dev.Path, image)
+	if err != nil || !done {
+		t.Fatalf("DetachIfBackedBy = %v, %v", done, err)
+	}
+	select {
+	case <-released:
+	default:
+		t.Fatal("the detach returned while another opener still held the device")
+	}
+	if backing, err := BackingFile(dev.Path); err != nil || backing != "" {
+		t.Fatalf("after the detach, %s is bound to %q (%v)", dev.Path, backing, err)
+	}
+}
+
+// A device held open for longer than the caller can wait is not reported
+// detached: the error says who holds it, and the kernel completes the
+// detach at the holder's close.
+func TestDetachOfAHeldDeviceFailsNamingTheHolder(t *testing.T) {
+	dir := scratch(t)
+	image := filepath.Join(dir, "held.img")
+	sparseFile(t, image, 8*mib)
+	dev, err := Attach(context.Background(), image, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	holder, err := os.Open(dev.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { holder.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	done, err := DetachIfBackedBy(ctx, dev.Path, image)
+	if err == nil || done {
+		t.Fatalf("DetachIfBackedBy of a held device = %v, %v; want an error", done, err)
+	}
+	if want := fmt.Sprintf("open in process %d", os.Getpid()); !strings.Contains(err.Error(), want) {
+		t.Errorf("error %q does not say %q", err, want)
+	}
+	if backing, _ := BackingFile(dev.Path); backing == "" {
+		t.Error("the device was detached while held")
+	}
+	holder.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		backing, err := BackingFile(dev.Path)
+		if err == nil && backing == "" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s still bound to %q after its holder closed it", dev.Path, backing)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }

@@ -14,7 +14,7 @@
 // server namespace), so nothing is added to the caller's namespace and
 // networks of parallel tests cannot collide. Run the server in the server
 // namespace (ganesha.ServerConfig.NetNSPath = Network.Server.Path) and
-// clients with Node.Run, which uses "ip netns exec".
+// clients with Node.Run, which enters the node's network namespace only.
 //
 // Cleanup (registered by Setup with tb.Cleanup, and safe to call again)
 // kills by PID whatever still runs in the namespaces, reports that as a test
@@ -100,7 +100,7 @@ func RequireCommands(tb testing.TB, names ...string) {
 func Setup(tb testing.TB, opts Options) *Network {
 	tb.Helper()
 	RequireRoot(tb)
-	RequireCommands(tb, "ip")
+	RequireCommands(tb, "ip", "nsenter")
 	if opts.Nodes == 0 {
 		opts.Nodes = 2
 	}
@@ -241,9 +241,15 @@ func (n *Network) NFSURL(pseudo, file string) string {
 	return u + "?version=4"
 }
 
-// Command is name args run inside ns with "ip netns exec".
+// Command is name args run inside ns's network namespace, entered with
+// "nsenter --net" (which executes name in place, so the PID is name's own).
+// Not "ip netns exec": it also gives the command a mount namespace of its
+// own, a private copy of every mount on the machine, and while the command
+// runs the filesystems of other tests' mounts stay alive in that copy,
+// their loop devices held open, after those tests have unmounted them. A
+// detach then only takes effect once the command has exited.
 func (ns Namespace) Command(ctx context.Context, name string, args ...string) *exec.Cmd {
-	return exec.CommandContext(ctx, "ip", append([]string{"netns", "exec", ns.Name, name}, args...)...)
+	return exec.CommandContext(ctx, "nsenter", append([]string{"--net=" + ns.Path, "--", name}, args...)...)
 }
 
 // Run runs name args inside ns and returns stdout; on failure the error
