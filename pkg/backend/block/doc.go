@@ -71,6 +71,40 @@
 // readers of MULTI_NODE_SINGLE_WRITER) skip a journal that a live writer
 // elsewhere still owns.
 //
+// # Transports: loop devices here, iSCSI across machines
+//
+// A node reaches a volume's image through a loop device on the image in a
+// pool directory that every node of the zone sees at the same path (one
+// machine, kind). Across machines the image stays on its zone's storage
+// target and the node reaches it over the network; the target side of that
+// transport is package lio, which serves each volume from the kernel's LIO
+// iSCSI target (it is not wired into this backend yet).
+//
+// iSCSI through LIO was chosen over NVMe over TCP for what the access
+// modes need at the server:
+//
+//   - LIO maps a LUN write-protected per initiator (the mapped LUN's
+//     write_protect): the readers of ROX and of MULTI_NODE_SINGLE_WRITER
+//     get DATA PROTECT from the target on every write, even one sent
+//     around their own kernel's read-only flag, as NFS readers get a
+//     read-only export. nvmet in Linux 6.1 has no read-only per host or per
+//     namespace: the same would need a namespace per access level (a
+//     second, read-only namespace of the same image, served to the
+//     readers), which the kernel target cannot mark read-only either; the
+//     node would be trusted to stay read-only.
+//   - Removing a node's ACL ends its sessions before the removal returns:
+//     that is the fence every ControllerUnpublishVolume makes. Removing a
+//     host from an nvmet subsystem's allowed_hosts leaves its connected
+//     controllers up; the fence would have to delete the subsystem's port
+//     link (every host's connections) or the subsystem itself.
+//   - LIO has CHAP per initiator, so an IQN alone is not an identity;
+//     Debian 12's kernel builds NVMe in-band authentication out, and an
+//     NVMe host NQN is whatever the host says it is.
+//
+// What NVMe/TCP does better (no iscsid on the node, one write to
+// /dev/nvme-fabrics to connect, native multipath) does not outweigh a
+// read-only mode the target cannot enforce.
+//
 // Loop devices always have 512-byte sectors: with direct I/O the kernel
 // would take the image file's direct-I/O alignment instead, and on xfs a
 // file that shares extents with a snapshot asks for 4096, which a

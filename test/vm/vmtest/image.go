@@ -27,8 +27,10 @@ const CacheDir = "/var/tmp/modeguard-vm"
 // first (worked out from each module's .modinfo when the image is built).
 // virtio_blk and ext4 serve a node disk (Options.NodeDiskMB; ext4 asks the
 // crypto API for crc32c at mount, a soft dependency), loop the
-// block backend's volumes.
-var bootModules = []string{"virtio_pci", "virtio_net", "9pnet_virtio", "9p", "nfsv4", "virtio_blk", "crc32c_generic", "ext4", "loop"}
+// block backend's volumes, target_core_file and iscsi_target_mod the LIO
+// iSCSI target serving image files (with configfs, mounted by init).
+var bootModules = []string{"virtio_pci", "virtio_net", "9pnet_virtio", "9p", "nfsv4", "virtio_blk", "crc32c_generic", "ext4", "loop",
+	"target_core_mod", "target_core_file", "iscsi_target_mod"}
 
 // initScript is /init of the initramfs: busybox sh, run as PID 1. It stays
 // PID 1 while the agent runs (busybox sh reaps orphans while it waits) and
@@ -60,6 +62,7 @@ fi
 say "host root mounted"
 mount -t proc proc /host/proc
 mount -t sysfs sys /host/sys
+mount -t configfs configfs /host/sys/kernel/config || say "no configfs"
 mount -t devtmpfs dev /host/dev
 mkdir -p /host/dev/pts /host/dev/shm
 mount -t devpts devpts /host/dev/pts
