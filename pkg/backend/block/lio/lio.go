@@ -38,7 +38,6 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
-	"slices"
 	"strconv"
 	"strings"
 )
@@ -258,7 +257,7 @@ func (t *Target) checkBackstore(l LUN) error {
 
 // describe reads a backstore's image and serial from configfs. Its info
 // attribute reads like "... File: /pool/a.img  Size: 67108864  Mode:
-// O_DSYNC ..." and wwn/vpd_unit_serial like "T10 VPD Unit Serial Number:
+// O_DSYNC ..." (the size is not compared: a grown volume's differs) and wwn/vpd_unit_serial like "T10 VPD Unit Serial Number:
 // abc".
 func (t *Target) describe(name string) (LUN, error) {
 	dir := t.backstore(name)
@@ -269,11 +268,8 @@ func (t *Target) describe(name string) (LUN, error) {
 	l := LUN{Name: name}
 	fields := strings.Fields(info)
 	for i := 0; i+1 < len(fields); i++ {
-		switch fields[i] {
-		case "File:":
+		if fields[i] == "File:" {
 			l.Image = fields[i+1]
-		case "Size:":
-			l.Size, _ = strconv.ParseInt(fields[i+1], 10, 64)
 		}
 	}
 	serial, err := readAttr(filepath.Join(dir, "wwn", "vpd_unit_serial"))
@@ -415,22 +411,6 @@ func (t *Target) Initiators(name string) ([]Initiator, error) {
 		}
 		out = append(out, i)
 	}
-	return out, nil
-}
-
-// Exported lists the volumes this package serves, by name.
-func (t *Target) Exported() ([]string, error) {
-	targets, err := listDirs(filepath.Join(t.cfg.Root, "iscsi"))
-	if err != nil {
-		return nil, err
-	}
-	var out []string
-	for _, iqn := range targets {
-		if name, ok := strings.CutPrefix(iqn, t.cfg.Prefix+":"); ok && namePattern.MatchString(name) {
-			out = append(out, name)
-		}
-	}
-	slices.Sort(out)
 	return out, nil
 }
 

@@ -389,6 +389,10 @@ func DetachIfBackedBy(ctx context.Context, dev, image string) (bool, error) {
 	if err != nil || !ours {
 		return false, err
 	}
+	backing, err := BackingFile(dev)
+	if err != nil {
+		return false, err
+	}
 	if err := loopIoctl(dev, unix.LOOP_CLR_FD, 0); err != nil {
 		// Detached by someone else in the meantime: the goal is reached.
 		if backing, berr := BackingFile(dev); berr == nil && backing == "" {
@@ -396,7 +400,7 @@ func DetachIfBackedBy(ctx context.Context, dev, image string) (bool, error) {
 		}
 		return false, err
 	}
-	if err := waitReleased(ctx, dev, image); err != nil {
+	if err := waitReleased(ctx, dev, backing); err != nil {
 		return false, err
 	}
 	return true, nil
@@ -406,25 +410,27 @@ func DetachIfBackedBy(ctx context.Context, dev, image string) (bool, error) {
 // device to close it.
 const DetachWait = 10 * time.Second
 
-// waitReleased waits until dev is no longer bound to a file of image's
-// name: unbound, or bound again to something else by whoever took the
-// freed device.
-func waitReleased(ctx context.Context, dev, image string) error {
+// waitReleased waits until dev is no longer bound to backing (its
+// backing file as sysfs showed it before the detach): unbound, or bound
+// again to something else by whoever took the freed device. It reads
+// sysfs only: opening the device to ask would make this one more opener
+// the detach waits for.
+func waitReleased(ctx context.Context, dev, backing string) error {
 	ctx, cancel := context.WithTimeout(ctx, DetachWait)
 	defer cancel()
 	delay := time.Millisecond
 	for {
-		ours, err := NamedBy(dev, image)
+		now, err := BackingFile(dev)
 		if err != nil {
-			return fmt.Errorf("checking that %s let go of %s: %w", dev, image, err)
+			return fmt.Errorf("checking that %s let go of %s: %w", dev, backing, err)
 		}
-		if !ours {
+		if now != backing {
 			return nil
 		}
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("%s is still bound to %s after detaching it: %s; the kernel detaches it when that is closed: %w",
-				dev, image, describeHolders(dev), ctx.Err())
+				dev, backing, describeHolders(dev), ctx.Err())
 		case <-time.After(delay):
 		}
 		delay = min(2*delay, 50*time.Millisecond)
