@@ -76,9 +76,10 @@
 // A node reaches a volume's image through a loop device on the image in a
 // pool directory that every node of the zone sees at the same path (one
 // machine, kind). Across machines the image stays on its zone's storage
-// target and the node reaches it over the network; the target side of that
-// transport is package lio, which serves each volume from the kernel's LIO
-// iSCSI target (it is not wired into this backend yet).
+// target and the node reaches it over the network: package lio serves each
+// volume from the kernel's LIO iSCSI target, package iscsi logs the node in
+// with open-iscsi and finds the volume's disk by its session and serial
+// (neither is wired into this backend yet).
 //
 // iSCSI through LIO was chosen over NVMe over TCP for what the access
 // modes need at the server:

@@ -1,9 +1,10 @@
-// Package lio tests package lio against the LIO iSCSI target of a real
-// kernel: the Debian kernel of a test VM (the host's has no LIO), driven
-// by test/vm/liotool through the VM's agent, and reached from the host by
-// a real iSCSI initiator, qemu-io's libiscsi driver, in the bridge's
-// network namespace. Every check of who may do what is made by the target
-// itself, answering that initiator.
+// Package lio tests packages lio and iscsi against the LIO iSCSI target
+// and the iSCSI initiator of a real kernel: the Debian kernel of test VMs
+// (the host's has neither), driven by test/vm/iscsitool through the VMs'
+// agents. The target is reached by two kinds of initiator: qemu-io's
+// libiscsi driver on the host, in the bridge's network namespace, and the
+// kernel's initiator in node VMs. Every check of who may do what is made
+// by the target itself, answering them.
 package lio
 
 import (
@@ -26,7 +27,7 @@ import (
 const (
 	prefix   = "iqn.2026-11.io.modeguard.test"
 	volume   = "vol-a"
-	serial   = "mg-vol-a"
+	serial   = "6d672d766f6c2d610000000000000001"
 	imageMiB = 64
 )
 
@@ -37,19 +38,21 @@ var (
 	nodeC = lio.Initiator{IQN: "iqn.2026-11.io.modeguard.node:c", User: "node-c", Secret: "secret-of-node-c"}
 )
 
-// env is one target VM with the volume's image on its own disk.
+// env is one target VM with the volume's image on its own disk, and
+// node VMs.
 type env struct {
 	t      *testing.T
 	ctx    context.Context
 	c      *vmtest.Cluster
-	vm     *vmtest.VM
+	vm     *vmtest.VM   // the target
+	nodes  []*vmtest.VM // the other VMs
 	tool   string
 	image  string
 	portal string
 }
 
-func setup(t *testing.T) *env {
-	testenv.RequireRoot(t)
+// requireQemuIO skips the test without qemu-io and its iSCSI driver.
+func requireQemuIO(t *testing.T) {
 	for _, tool := range []string{"qemu-io", "nsenter"} {
 		if _, err := exec.LookPath(tool); err != nil {
 			t.Skipf("%s is not installed (Debian: qemu-utils, util-linux)", tool)
@@ -58,16 +61,22 @@ func setup(t *testing.T) *env {
 	if matches, _ := filepath.Glob("/usr/lib/*/qemu/block-iscsi.so"); len(matches) == 0 {
 		t.Skip("qemu's iSCSI driver is not installed (Debian: qemu-block-extra)")
 	}
-	tool := filepath.Join(t.TempDir(), "liotool")
-	build := exec.Command("go", "build", "-race", "-o", tool, "github.com/modeguard/modeguard/test/vm/liotool")
+}
+
+// setup starts the target VM and nodes node VMs, and makes the volume's
+// image on the target.
+func setup(t *testing.T, nodes int) *env {
+	testenv.RequireRoot(t)
+	tool := filepath.Join(t.TempDir(), "iscsitool")
+	build := exec.Command("go", "build", "-race", "-o", tool, "github.com/modeguard/modeguard/test/vm/iscsitool")
 	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("building liotool: %v\n%s", err, out)
+		t.Fatalf("building iscsitool: %v\n%s", err, out)
 	}
-	c := vmtest.Start(t, vmtest.Options{VMs: 1, Prefix: "mgl", NodeDiskMB: 256})
+	c := vmtest.Start(t, vmtest.Options{VMs: 1 + nodes, Prefix: "mgl", NodeDiskMB: 256})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	t.Cleanup(cancel)
 	vm := c.VMs[0]
-	e := &env{t: t, ctx: ctx, c: c, vm: vm, tool: tool, image: vm.Path("pool", volume+".img"),
+	e := &env{t: t, ctx: ctx, c: c, vm: vm, nodes: c.VMs[1:], tool: tool, image: vm.Path("pool", volume+".img"),
 		portal: vm.Addr.String() + ":3260"}
 	e.inVM("mkdir", "-p", filepath.Dir(e.image))
 	e.inVM("truncate", "-s", fmt.Sprintf("%dM", imageMiB), e.image)
@@ -95,7 +104,7 @@ func (e *env) inVM(name string, args ...string) string {
 	return out
 }
 
-func (e *env) liotool(args ...string) string {
+func (e *env) target(args ...string) string {
 	e.t.Helper()
 	return e.inVM(e.tool, e.flags(args...)...)
 }
@@ -106,9 +115,9 @@ func (e *env) setInitiators(list ...lio.Initiator) {
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	e.liotool("initiators", volume, string(js))
+	e.target("initiators", volume, string(js))
 	var have []lio.Initiator
-	if err := json.Unmarshal([]byte(e.liotool("show", volume)), &have); err != nil {
+	if err := json.Unmarshal([]byte(e.target("show", volume)), &have); err != nil {
 		e.t.Fatal(err)
 	}
 	got := map[string]bool{}
@@ -190,8 +199,9 @@ func filled(b []byte, v byte) bool {
 // the image, and A cannot log in again while B keeps reading. Unexporting
 // removes everything from configfs and leaves the image.
 func TestLIOTargetEnforcesTheAccessList(t *testing.T) {
-	e := setup(t)
-	e.liotool("export", volume, e.image, fmt.Sprint(imageMiB<<20), serial)
+	requireQemuIO(t)
+	e := setup(t, 0)
+	e.target("export", volume, e.image, fmt.Sprint(imageMiB<<20), serial)
 	e.setInitiators(nodeA, nodeB)
 
 	t.Run("A writes, B reads", func(t *testing.T) {
@@ -283,7 +293,7 @@ func TestLIOTargetEnforcesTheAccessList(t *testing.T) {
 	})
 
 	t.Run("unexport", func(t *testing.T) {
-		e.liotool("unexport", volume)
+		e.target("unexport", volume)
 		// Neither the target nor a backstore of the volume's name, in
 		// whichever HBA, is left.
 		glob := fmt.Sprintf("ls -d %[1]s/iscsi/%[2]s:%[3]s %[1]s/core/*/%[3]s 2>/dev/null", lio.DefaultRoot, prefix, volume)
@@ -298,7 +308,7 @@ func TestLIOTargetEnforcesTheAccessList(t *testing.T) {
 			t.Fatalf("B read an unexported volume: %v\n%s", err, out)
 		}
 		// Exporting again serves the same data.
-		e.liotool("export", volume, e.image, fmt.Sprint(imageMiB<<20), serial)
+		e.target("export", volume, e.image, fmt.Sprint(imageMiB<<20), serial)
 		e.setInitiators(nodeB)
 		out, err = e.qemuIO(e.ctx, as(nodeB), true, "read -P 0x33 0 64k")
 		if err != nil || !strings.Contains(out, "read 65536/65536") {

@@ -28,9 +28,10 @@ const CacheDir = "/var/tmp/modeguard-vm"
 // virtio_blk and ext4 serve a node disk (Options.NodeDiskMB; ext4 asks the
 // crypto API for crc32c at mount, a soft dependency), loop the
 // block backend's volumes, target_core_file and iscsi_target_mod the LIO
-// iSCSI target serving image files (with configfs, mounted by init).
+// iSCSI target serving image files (with configfs, mounted by init),
+// iscsi_tcp and sd_mod the iSCSI initiator and the disks it finds.
 var bootModules = []string{"virtio_pci", "virtio_net", "9pnet_virtio", "9p", "nfsv4", "virtio_blk", "crc32c_generic", "ext4", "loop",
-	"target_core_mod", "target_core_file", "iscsi_target_mod"}
+	"target_core_mod", "target_core_file", "iscsi_target_mod", "iscsi_tcp", "sd_mod"}
 
 // initScript is /init of the initramfs: busybox sh, run as PID 1. It stays
 // PID 1 while the agent runs (busybox sh reaps orphans while it waits) and

@@ -40,6 +40,8 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+
+	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
 )
 
 // DefaultRoot is where configfs shows the LIO target.
@@ -93,27 +95,14 @@ type Target struct {
 	cfg Config
 }
 
-var (
-	namePattern = regexp.MustCompile(`^[a-z0-9][a-z0-9-]{0,62}$`)
-	// RFC 3720 3.2.6.3.1: iqn.YYYY-MM.reversed-domain[:unique], lower case.
-	iqnPattern    = regexp.MustCompile(`^iqn\.[0-9]{4}-(0[1-9]|1[0-2])\.[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*(:[a-z0-9.:-]+)?$`)
-	serialPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9-]{0,35}$`)
-	userPattern   = regexp.MustCompile(`^[A-Za-z0-9._-]{1,64}$`)
-	// A secret is written to configfs as one line and sent in CHAP as
-	// text: printable ASCII without blanks. RFC 3720 asks for at least 12
-	// bytes.
-	secretPattern = regexp.MustCompile(`^[!-~]{12,255}$`)
-)
-
-// maxIQN is the longest name RFC 3720 allows.
-const maxIQN = 223
+var namePattern = regexp.MustCompile(`^[a-z0-9][a-z0-9-]{0,62}$`)
 
 // New checks cfg and that LIO is there to configure.
 func New(cfg Config) (*Target, error) {
 	if cfg.Root == "" {
 		cfg.Root = DefaultRoot
 	}
-	if !validIQN(cfg.Prefix) || strings.Contains(cfg.Prefix, ":") {
+	if !iscsi.ValidIQN(cfg.Prefix) || strings.Contains(cfg.Prefix, ":") {
 		return nil, fmt.Errorf("target name prefix %q is not an IQN without a unique part (iqn.YYYY-MM.reversed.domain, lower case)", cfg.Prefix)
 	}
 	if !cfg.Portal.IsValid() || cfg.Portal.Port() == 0 {
@@ -124,8 +113,6 @@ func New(cfg Config) (*Target, error) {
 	}
 	return &Target{cfg: cfg}, nil
 }
-
-func validIQN(s string) bool { return len(s) <= maxIQN && iqnPattern.MatchString(s) }
 
 // IQN is the name of name's target.
 func (t *Target) IQN(name string) string { return t.cfg.Prefix + ":" + name }
@@ -153,19 +140,19 @@ func checkLUN(l LUN) error {
 		return fmt.Errorf("image %q: want a clean absolute path without commas", l.Image)
 	case l.Size <= 0 || l.Size%512 != 0:
 		return fmt.Errorf("size %d: want a positive multiple of 512", l.Size)
-	case !serialPattern.MatchString(l.Serial):
-		return fmt.Errorf("serial %q: want 1 to 36 of A-Z, a-z, 0-9 and -", l.Serial)
+	case !iscsi.ValidSerial(l.Serial):
+		return fmt.Errorf("serial %q: want 32 lower-case hex digits (the disk's world-wide name is made of them)", l.Serial)
 	}
 	return nil
 }
 
 func checkInitiator(i Initiator) error {
 	switch {
-	case !validIQN(i.IQN):
-		return fmt.Errorf("initiator %q is not an IQN (iqn.YYYY-MM.reversed.domain[:name], lower case, at most %d bytes)", i.IQN, maxIQN)
-	case !userPattern.MatchString(i.User):
+	case !iscsi.ValidIQN(i.IQN):
+		return fmt.Errorf("initiator %q is not an IQN (iqn.YYYY-MM.reversed.domain[:name], lower case, at most %d bytes)", i.IQN, iscsi.MaxIQN)
+	case !iscsi.ValidCHAPUser(i.User):
 		return fmt.Errorf("initiator %s: CHAP user %q: want 1 to 64 of A-Z, a-z, 0-9, '.', '_' and '-'", i.IQN, i.User)
-	case !secretPattern.MatchString(i.Secret):
+	case !iscsi.ValidCHAPSecret(i.Secret):
 		return fmt.Errorf("initiator %s: CHAP secret: want 12 to 255 printable ASCII characters without blanks", i.IQN)
 	}
 	return nil

@@ -12,7 +12,7 @@ import (
 // name becomes a directory and part of an IQN, an image path goes into a
 // comma-separated control string, a secret is one line of text.
 func TestCheckLUN(t *testing.T) {
-	good := LUN{Name: "vol-1", Image: "/pool/volumes/vol-1.img", Size: 1 << 20, Serial: "mg-vol-1"}
+	good := LUN{Name: "vol-1", Image: "/pool/volumes/vol-1.img", Size: 1 << 20, Serial: "6d672d766f6c2d310000000000000001"}
 	for _, tc := range []struct {
 		name string
 		edit func(*LUN)
@@ -31,8 +31,10 @@ func TestCheckLUN(t *testing.T) {
 		{"image with a newline", func(l *LUN) { l.Image = "/pool/a\n.img" }, "image"},
 		{"zero size", func(l *LUN) { l.Size = 0 }, "size"},
 		{"size not in sectors", func(l *LUN) { l.Size = 1000 }, "size"},
-		{"serial with a space", func(l *LUN) { l.Serial = "mg vol" }, "serial"},
-		{"37-byte serial", func(l *LUN) { l.Serial = strings.Repeat("s", 37) }, "serial"},
+		{"serial of a name", func(l *LUN) { l.Serial = "mg-vol-1" }, "serial"},
+		{"upper case serial", func(l *LUN) { l.Serial = "6D672D766F6C2D310000000000000001" }, "serial"},
+		{"31-digit serial", func(l *LUN) { l.Serial = strings.Repeat("a", 31) }, "serial"},
+		{"33-digit serial", func(l *LUN) { l.Serial = strings.Repeat("a", 33) }, "serial"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			l := good
