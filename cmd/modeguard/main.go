@@ -21,6 +21,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block"
+	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
 	"github.com/modeguard/modeguard/pkg/controllerlock"
 	"github.com/modeguard/modeguard/pkg/driver"
@@ -75,6 +76,10 @@ type options struct {
 	metricsAddr string
 	showVersion bool
 	nfs         nfs.Options
+
+	// iscsiInitiatorFile is where the node reads its iSCSI initiator name.
+	iscsiInitiatorFile string
+
 	// Registration with the kubelet, for nodes without node-driver-registrar.
 	kubeletRegistrationDir  string
 	kubeletRegistrationPath string
@@ -114,9 +119,11 @@ func parseFlags(args []string) (*options, error) {
 		"where to serve CSI: unix:///path/to/socket or tcp://host:port")
 	fs.StringVar(&o.roles, "roles", "controller,node",
 		"services to serve besides Identity: controller, node, or controller,node")
-	fs.StringVar(&o.nodeID, "node-id", "", "this node's name (node role): a Kubernetes node name, up to 253 characters, kept in the CSI node id (a stable 63-character form of a longer name); the CSI node id is <name>@<zone>[@<node-address>[@<max-volumes-per-node>]]")
+	fs.StringVar(&o.nodeID, "node-id", "", "this node's name (node role): a Kubernetes node name, up to 253 characters, kept in the CSI node id (a stable 63-character form of a longer name); the CSI node id is <name>@<zone>[@<node-address>[@<max-volumes-per-node>[@<iSCSI initiator name>]]]")
 	fs.StringVar(&o.zone, "zone", "", "this node's topology zone (node role), reported as "+driver.TopologyZoneKey)
 	fs.StringVar(&o.nodeAddress, "node-address", "", "IP address this node mounts NFS exports from (node role, optional)")
+	fs.StringVar(&o.iscsiInitiatorFile, "iscsi-initiator-name-file", "",
+		"node: open-iscsi's initiator name file (usually "+iscsi.InitiatorNameFile+"); the name in it goes into the node id, for the iSCSI transport's access lists (empty: this node does not reach volumes over iSCSI)")
 	fs.StringVar(&o.stateDir, "state-dir", "/var/lib/modeguard", "directory for this node plugin's lock files and stage records")
 	fs.StringVar(&o.driverName, "driver-name", driver.DefaultDriverName, "CSI driver name")
 	fs.Int64Var(&o.maxVolumes, "max-volumes-per-node", 128, "node: volumes this node may hold at once, reported in NodeGetInfo and in its node id; the controller refuses an attach beyond it (0: no limit)")
@@ -192,6 +199,11 @@ func run(o *options) error {
 		// The controller's backends read their directories only once
 		// this process holds the controller lock on them.
 		ControllersLater: isController,
+	}
+	if o.iscsiInitiatorFile != "" && slices.Contains(roles, driver.RoleNode) {
+		if cfg.ISCSIInitiator, err = iscsi.ReadInitiatorName(o.iscsiInitiatorFile); err != nil {
+			return err
+		}
 	}
 	if isController && len(o.pools) == 0 && o.nfs.ExportRoot == "" {
 		return fmt.Errorf("the controller role needs at least one backend (e.g. --block-pool ZONE=DIR)")

@@ -51,9 +51,14 @@ type Config struct {
 	Roles      []Role
 
 	// Node role.
-	NodeName          string
-	Zone              string
-	NodeAddress       string
+	NodeName    string
+	Zone        string
+	NodeAddress string
+	// ISCSIInitiator is the IQN this node's iSCSI initiator logs in under
+	// (read from open-iscsi's file, never typed): it goes into the node id,
+	// where the controller finds the name to put on a target's access
+	// list. Empty when the node does not reach volumes over iSCSI.
+	ISCSIInitiator    string
 	StateDir          string
 	MaxVolumesPerNode int64
 	Nodes             map[accessmode.Backend]backend.Node
@@ -114,7 +119,8 @@ func New(cfg Config) (*Driver, error) {
 		if cfg.MaxVolumesPerNode < 0 {
 			return nil, fmt.Errorf("--max-volumes-per-node is %d; it must be 0 (no limit) or more", cfg.MaxVolumesPerNode)
 		}
-		n := nodeid.Node{Name: nodeid.Key(cfg.NodeName), Zone: cfg.Zone, Address: cfg.NodeAddress, MaxVolumes: cfg.MaxVolumesPerNode}
+		n := nodeid.Node{Name: nodeid.Key(cfg.NodeName), Zone: cfg.Zone, Address: cfg.NodeAddress,
+			MaxVolumes: cfg.MaxVolumesPerNode, Initiator: cfg.ISCSIInitiator}
 		if err := n.Validate(); err != nil {
 			return nil, fmt.Errorf("the node role needs --node-id and --zone: %w", err)
 		}

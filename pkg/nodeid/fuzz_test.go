@@ -48,6 +48,11 @@ func FuzzParse(f *testing.F) {
 		"worker@zone-a@@+64",
 		"worker@zone-a@@0",
 		"worker@zone-a@@",
+		"worker@zone-a@@@iqn.2026-11.io.example:worker",
+		"worker@zone-a@10.0.0.1@64@iqn.1993-08.org.debian:01:56e0e55b7367",
+		"worker@zone-a@@@",
+		"worker@zone-a@@@@",
+		"worker@zone-a@@0@iqn.2026-11.io.example",
 	} {
 		f.Add(s)
 	}
@@ -85,6 +90,12 @@ func FuzzParse(f *testing.F) {
 		}
 		if n.MaxVolumes < 0 {
 			t.Fatalf("Parse(%q) accepted the negative limit %d", s, n.MaxVolumes)
+		}
+		if len(s) > MaxLength {
+			t.Fatalf("Parse accepted an id of %d bytes", len(s))
+		}
+		if n.Initiator != "" && (strings.ContainsAny(n.Initiator, "@ \x00\n") || !strings.HasPrefix(n.Initiator, "iqn.")) {
+			t.Fatalf("Parse(%q) accepted the initiator name %q", s, n.Initiator)
 		}
 		if KeyOf(s) != n.Name {
 			t.Fatalf("KeyOf(%q) = %q, Parse says the key is %q", s, KeyOf(s), n.Name)

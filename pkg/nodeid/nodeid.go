@@ -3,22 +3,28 @@
 //
 // The id carries what the controller must know about a node without asking
 // any CO for it: the node's key (its name, or a stable short form of a long
-// name), its topology zone, the address it mounts NFS exports from, and the
-// number of volumes it can hold. The format is
+// name), its topology zone, the address it mounts NFS exports from, the
+// number of volumes it can hold, and the name its iSCSI initiator logs in
+// under. The format is
 //
-//	<key>@<zone>                       e.g. worker-1@zone-a
-//	<key>@<zone>@<address>             e.g. worker-1@zone-a@10.99.0.11
-//	<key>@<zone>@<address>@<limit>     e.g. worker-1@zone-a@10.99.0.11@64
-//	<key>@<zone>@@<limit>              e.g. worker-1@zone-a@@64 (no address)
+//	<key>@<zone>                                e.g. worker-1@zone-a
+//	<key>@<zone>@<address>                      e.g. worker-1@zone-a@10.99.0.11
+//	<key>@<zone>@<address>@<limit>              e.g. worker-1@zone-a@10.99.0.11@64
+//	<key>@<zone>@@<limit>                       e.g. worker-1@zone-a@@64 (no address)
+//	<key>@<zone>@<address>@<limit>@<initiator>  e.g. worker-1@zone-a@10.99.0.11@64@iqn.1993-08.org.debian:01:56e0e55b7367
+//	<key>@<zone>@@@<initiator>                  (no address, no limit)
 //
 // key and zone are Kubernetes label values; address is an IPv4 or IPv6
-// address; limit is a positive decimal number (no limit field: no limit).
+// address; limit is a positive decimal number (no limit field, or an empty
+// one before an initiator: no limit); initiator is an iSCSI qualified name,
+// which holds no '@'. The whole id is at most MaxLength bytes.
 //
 // The key is the node's identity: the controller matches attachments by it,
-// while zone, address and limit are attributes that may change when the node
-// plugin restarts (a new DHCP lease, NFS enabled later). The controller
-// trusts a node's zone because only the node plugin on that node produces
-// its id.
+// while zone, address, limit and initiator are attributes that may change
+// when the node plugin restarts (a new DHCP lease, NFS enabled later, an
+// initiator name regenerated); an attachment keeps the id it was made with.
+// The controller trusts a node's zone because only the node plugin on that
+// node produces its id.
 package nodeid
 
 import (
@@ -31,8 +37,13 @@ import (
 	"strings"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
+
+// MaxLength is the longest node id: what the CSI spec allows and what
+// Kubernetes' CSINode takes (since 1.28; 192 before).
+const MaxLength = 256
 
 // MaxNameLength is the longest node name accepted: a Kubernetes node name
 // is a DNS subdomain, at most 253 characters.
@@ -52,6 +63,9 @@ type Node struct {
 	Address string // empty when the node has no NFS client address
 	// MaxVolumes is how many volumes the node can hold; 0 is no limit.
 	MaxVolumes int64
+	// Initiator is the IQN the node's iSCSI initiator logs in under;
+	// empty when the node does not reach volumes over iSCSI.
+	Initiator string
 }
 
 // ValidKey reports whether k may stand for a node in an id (and in the
@@ -97,11 +111,17 @@ func KeyOf(id string) string { return accessmode.NodeKey(id) }
 // String renders the node id.
 func (n Node) String() string {
 	s := n.Name + "@" + n.Zone
-	if n.Address != "" || n.MaxVolumes > 0 {
+	if n.Address != "" || n.MaxVolumes > 0 || n.Initiator != "" {
 		s += "@" + n.Address
 	}
-	if n.MaxVolumes > 0 {
-		s += "@" + strconv.FormatInt(n.MaxVolumes, 10)
+	if n.MaxVolumes > 0 || n.Initiator != "" {
+		s += "@"
+		if n.MaxVolumes > 0 {
+			s += strconv.FormatInt(n.MaxVolumes, 10)
+		}
+	}
+	if n.Initiator != "" {
+		s += "@" + n.Initiator
 	}
 	return s
 }
@@ -123,14 +143,23 @@ func (n Node) Validate() error {
 	if n.MaxVolumes < 0 {
 		return fmt.Errorf("node volume limit %d is negative (0 is no limit)", n.MaxVolumes)
 	}
+	if n.Initiator != "" && !iscsi.ValidIQN(n.Initiator) {
+		return fmt.Errorf("iSCSI initiator name %q is not an IQN (iqn.YYYY-MM.reversed.domain[:unique], lower case)", n.Initiator)
+	}
+	if l := len(n.String()); l > MaxLength {
+		return fmt.Errorf("node id %q has %d bytes, more than the %d a CO takes: shorten the zone or the iSCSI initiator name", n.String(), l, MaxLength)
+	}
 	return nil
 }
 
 // Parse reads a node id.
 func Parse(s string) (Node, error) {
+	if len(s) > MaxLength {
+		return Node{}, fmt.Errorf("node id of %d bytes: at most %d", len(s), MaxLength)
+	}
 	parts := strings.Split(s, "@")
-	if len(parts) < 2 || len(parts) > 4 {
-		return Node{}, fmt.Errorf("node id %q is not of the form <name>@<zone>[@<address>[@<limit>]]", s)
+	if len(parts) < 2 || len(parts) > 5 {
+		return Node{}, fmt.Errorf("node id %q is not of the form <name>@<zone>[@<address>[@<limit>[@<initiator>]]]", s)
 	}
 	n := Node{Name: parts[0], Zone: parts[1]}
 	if len(parts) >= 3 {
@@ -139,7 +168,14 @@ func Parse(s string) (Node, error) {
 		}
 		n.Address = parts[2]
 	}
-	if len(parts) == 4 {
+	if len(parts) == 5 {
+		if parts[4] == "" {
+			return Node{}, fmt.Errorf("node id %q has an empty initiator name after the fourth '@'", s)
+		}
+		n.Initiator = parts[4]
+	}
+	// The limit may be empty only before an initiator name.
+	if len(parts) == 4 || (len(parts) == 5 && parts[3] != "") {
 		// Digits only: no sign, no spaces, no leading zeros, so that the
 		// id renders back to exactly what was parsed.
 		l := parts[3]

@@ -17,6 +17,11 @@ func TestParseStringRoundTrip(t *testing.T) {
 		{strings.Repeat("a", 63) + "@" + strings.Repeat("b", 63), Node{Name: strings.Repeat("a", 63), Zone: strings.Repeat("b", 63)}},
 		{"worker-1@zone-a@10.99.0.11@64", Node{Name: "worker-1", Zone: "zone-a", Address: "10.99.0.11", MaxVolumes: 64}},
 		{"worker-1@zone-a@@1", Node{Name: "worker-1", Zone: "zone-a", MaxVolumes: 1}},
+		{"worker-1@zone-a@10.99.0.11@64@iqn.1993-08.org.debian:01:56e0e55b7367",
+			Node{Name: "worker-1", Zone: "zone-a", Address: "10.99.0.11", MaxVolumes: 64, Initiator: "iqn.1993-08.org.debian:01:56e0e55b7367"}},
+		{"worker-1@zone-a@@@iqn.2026-11.io.example:worker-1", Node{Name: "worker-1", Zone: "zone-a", Initiator: "iqn.2026-11.io.example:worker-1"}},
+		{"worker-1@zone-a@10.99.0.11@@iqn.2026-11.io.example", Node{Name: "worker-1", Zone: "zone-a", Address: "10.99.0.11", Initiator: "iqn.2026-11.io.example"}},
+		{"worker-1@zone-a@@8@iqn.2026-11.io.example", Node{Name: "worker-1", Zone: "zone-a", MaxVolumes: 8, Initiator: "iqn.2026-11.io.example"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.in, func(t *testing.T) {
@@ -54,7 +59,13 @@ func TestParseRefusesHostileIDs(t *testing.T) {
 		{"empty zone with address", "worker-1@@10.0.0.1"},
 		{"only separators", "@@"},
 		{"limit not a number", "worker-1@zone-a@10.0.0.1@x"},
-		{"too many @", "worker-1@zone-a@10.0.0.1@64@x"},
+		{"initiator not an IQN", "worker-1@zone-a@10.0.0.1@64@x"},
+		{"too many @", "worker-1@zone-a@10.0.0.1@64@iqn.2026-11.io.example@x"},
+		{"empty initiator", "worker-1@zone-a@10.0.0.1@64@"},
+		{"upper case initiator", "worker-1@zone-a@@@iqn.2026-11.io.Example:a"},
+		{"EUI initiator", "worker-1@zone-a@@@eui.02004567A425678D"},
+		{"initiator option", "worker-1@zone-a@@@--login"},
+		{"longer than a CO takes", strings.Repeat("a", 63) + "@" + strings.Repeat("b", 63) + "@10.0.0.1@64@iqn.2026-11.io.example:" + strings.Repeat("c", 100)},
 		{"empty limit", "worker-1@zone-a@10.0.0.1@"},
 		{"empty address and limit", "worker-1@zone-a@@"},
 		{"zero limit", "worker-1@zone-a@@0"},
@@ -111,6 +122,10 @@ func TestValidateNode(t *testing.T) {
 		{Node{Name: "w", Zone: "z@y"}, false},
 		{Node{Name: "w", Zone: "z", Address: "fe80::1%lo"}, false},
 		{Node{Name: "w", Zone: "z", Address: " 192.0.2.1"}, false},
+		{Node{Name: "w", Zone: "z", Initiator: "iqn.2026-11.io.example:w"}, true},
+		{Node{Name: "w", Zone: "z", Initiator: "iqn.2026-11.io.example:w@z"}, false},
+		{Node{Name: "w", Zone: "z", Initiator: "iqn.2026-11.io.example:" + strings.Repeat("w", 200)}, true},
+		{Node{Name: strings.Repeat("w", 63), Zone: "z", Initiator: "iqn.2026-11.io.example:" + strings.Repeat("w", 200)}, false},
 	}
 	for _, tt := range tests {
 		err := tt.n.Validate()
