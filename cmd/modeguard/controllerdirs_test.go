@@ -17,6 +17,8 @@ func TestControllerDirs(t *testing.T) {
 		{"nfs with its own ganesha", []string{"--roles", "controller", "--nfs-export-root", "/n", "--nfs-server", "10.0.0.1", "--nfs-ganesha-dir", "/g"}, []string{"/g", "/n"}},
 		{"nfs with someone else's ganesha", []string{"--roles", "controller", "--nfs-export-root", "/n", "--nfs-server", "10.0.0.1",
 			"--nfs-ganesha-dbus", "unix:path=/run/g.sock", "--nfs-export-config-dir", "/e"}, []string{"/n"}},
+		{"a zone behind a storage target", []string{"--roles", "controller,node", "--block-pool", "zone-a=/p/a", "--block-pool", "zone-b=/p/b",
+			"--block-target", "zone-a=unix:///run/target-a.sock"}, []string{"/p/b"}},
 		{"both", []string{"--roles", "controller", "--block-pool", "zone-a=/p/a", "--nfs-export-root", "/n", "--nfs-server", "10.0.0.1", "--nfs-ganesha-dir", "/g"}, []string{"/g", "/n", "/p/a"}},
 	}
 	for _, tt := range tests {

@@ -30,3 +30,42 @@ func TestNodeRefusesABadInitiatorNameFile(t *testing.T) {
 		})
 	}
 }
+
+func TestBlockTargetFlag(t *testing.T) {
+	for _, tc := range []struct {
+		arg  string
+		want string // "" for accepted
+	}{
+		{"zone-a=10.0.0.5:9443", ""},
+		{"zone-a=target.zone-a.svc:9443", ""},
+		{"zone-a=[fd00::5]:9443", ""},
+		{"zone-a=unix:///run/modeguard/target.sock", ""},
+		{"zone-a=unix://run/target.sock", "absolute path"},
+		{"zone-a=10.0.0.5", "neither HOST:PORT"},
+		{"zone-a=", "want ZONE="},
+		{"zone a=10.0.0.5:9443", "not a valid zone"},
+	} {
+		t.Run(tc.arg, func(t *testing.T) {
+			_, err := parseFlags([]string{"--roles", "controller", "--block-target", tc.arg})
+			if (tc.want == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), tc.want)) {
+				t.Fatalf("--block-target %s: %v, want %q", tc.arg, err, tc.want)
+			}
+		})
+	}
+	if _, err := parseFlags([]string{"--block-target", "zone-a=h:1", "--block-target", "zone-a=h:2"}); err == nil || !strings.Contains(err.Error(), "two targets") {
+		t.Fatalf("two targets of one zone: %v", err)
+	}
+}
+
+// A target served on TCP without the files of mutual TLS does not start:
+// it would serve its pool to anyone who can reach the port.
+func TestTargetOnTCPNeedsMutualTLS(t *testing.T) {
+	dir := t.TempDir()
+	o, err := parseFlags([]string{"--roles", "target", "--block-pool", "zone-a=" + dir, "--target-endpoint", "tcp://127.0.0.1:0"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := run(o); err == nil || !strings.Contains(err.Error(), "mutual TLS") {
+		t.Fatalf("run = %v, want a refusal asking for mutual TLS", err)
+	}
+}

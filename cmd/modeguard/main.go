@@ -23,6 +23,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
+	"github.com/modeguard/modeguard/pkg/backend/remote"
 	"github.com/modeguard/modeguard/pkg/controllerlock"
 	"github.com/modeguard/modeguard/pkg/driver"
 	"github.com/modeguard/modeguard/pkg/metrics"
@@ -36,9 +37,12 @@ var version = "dev"
 // poolFlag collects repeated --block-pool ZONE=DIR flags.
 type poolFlag map[string]string
 
-func (p poolFlag) String() string {
+func (p poolFlag) String() string { return zoneValues(p) }
+
+// zoneValues renders a ZONE=VALUE map as its flags would be written.
+func zoneValues(m map[string]string) string {
 	var parts []string
-	for z, d := range p {
+	for z, d := range m {
 		parts = append(parts, z+"="+d)
 	}
 	sort.Strings(parts)
@@ -46,20 +50,31 @@ func (p poolFlag) String() string {
 }
 
 func (p poolFlag) Set(v string) error {
-	zone, dir, ok := strings.Cut(v, "=")
-	if !ok || dir == "" {
-		return fmt.Errorf("want ZONE=DIR, got %q", v)
+	return setZoneValue(p, v, "DIR", "pools", func(dir string) error {
+		if !strings.HasPrefix(dir, "/") {
+			return fmt.Errorf("pool directory %q must be an absolute path", dir)
+		}
+		return nil
+	})
+}
+
+// setZoneValue reads ZONE=VALUE into m: what is VALUE's name in the
+// message, plural what a zone may not have two of; check checks VALUE.
+func setZoneValue(m map[string]string, v, what, plural string, check func(string) error) error {
+	zone, value, ok := strings.Cut(v, "=")
+	if !ok || value == "" {
+		return fmt.Errorf("want ZONE=%s, got %q", what, v)
 	}
 	if !volumeid.ValidZone(zone) {
 		return fmt.Errorf("zone %q is not a valid zone name (letters, digits, '-', '_', '.')", zone)
 	}
-	if _, dup := p[zone]; dup {
-		return fmt.Errorf("zone %q has two pools", zone)
+	if _, dup := m[zone]; dup {
+		return fmt.Errorf("zone %q has two %s", zone, plural)
 	}
-	if !strings.HasPrefix(dir, "/") {
-		return fmt.Errorf("pool directory %q must be an absolute path", dir)
+	if err := check(value); err != nil {
+		return err
 	}
-	p[zone] = dir
+	m[zone] = value
 	return nil
 }
 
@@ -79,6 +94,13 @@ type options struct {
 
 	// iscsiInitiatorFile is where the node reads its iSCSI initiator name.
 	iscsiInitiatorFile string
+
+	// Storage targets: the zones the controller reaches through one
+	// (--block-target), where a target serves (--target-endpoint), and
+	// this side's certificate for the API between them.
+	targets        targetFlag
+	targetEndpoint string
+	tls            remote.TLSFiles
 
 	// Registration with the kubelet, for nodes without node-driver-registrar.
 	kubeletRegistrationDir  string
@@ -113,12 +135,12 @@ func (b byteSize) Set(s string) error {
 }
 
 func parseFlags(args []string) (*options, error) {
-	o := &options{pools: poolFlag{}}
+	o := &options{pools: poolFlag{}, targets: targetFlag{}}
 	fs := flag.NewFlagSet("modeguard", flag.ContinueOnError)
 	fs.StringVar(&o.endpoint, "endpoint", "unix:///run/modeguard/csi.sock",
 		"where to serve CSI: unix:///path/to/socket or tcp://host:port")
 	fs.StringVar(&o.roles, "roles", "controller,node",
-		"services to serve besides Identity: controller, node, or controller,node")
+		"services to serve besides Identity: controller, node, or controller,node; or target alone (a storage target serving its --block-pool to controllers, no CSI)")
 	fs.StringVar(&o.nodeID, "node-id", "", "this node's name (node role): a Kubernetes node name, up to 253 characters, kept in the CSI node id (a stable 63-character form of a longer name); the CSI node id is <name>@<zone>[@<node-address>[@<max-volumes-per-node>[@<iSCSI initiator name>]]]")
 	fs.StringVar(&o.zone, "zone", "", "this node's topology zone (node role), reported as "+driver.TopologyZoneKey)
 	fs.StringVar(&o.nodeAddress, "node-address", "", "IP address this node mounts NFS exports from (node role, optional)")
@@ -128,6 +150,12 @@ func parseFlags(args []string) (*options, error) {
 	fs.StringVar(&o.driverName, "driver-name", driver.DefaultDriverName, "CSI driver name")
 	fs.Int64Var(&o.maxVolumes, "max-volumes-per-node", 128, "node: volumes this node may hold at once, reported in NodeGetInfo and in its node id; the controller refuses an attach beyond it (0: no limit)")
 	fs.Var(o.pools, "block-pool", "ZONE=DIR: a block pool this process may place or find volumes in (repeatable)")
+	fs.Var(o.targets, "block-target", "controller: ZONE=HOST:PORT or ZONE=unix:///PATH: the storage target (--roles target) that serves zone ZONE's block pool (repeatable)")
+	fs.StringVar(&o.targetEndpoint, "target-endpoint", "unix:///run/modeguard/target.sock",
+		"target: where to serve the storage target's API: unix:///path (0600) or tcp://host:port (mutual TLS: --tls-cert, --tls-key, --tls-ca)")
+	fs.StringVar(&o.tls.Cert, "tls-cert", "", "target and controller: this side's certificate (PEM) for the storage target's API")
+	fs.StringVar(&o.tls.Key, "tls-key", "", "target and controller: the key of --tls-cert (PEM)")
+	fs.StringVar(&o.tls.CA, "tls-ca", "", "target and controller: the CA (PEM) that signs the other side's certificate")
 	fs.StringVar(&o.nfs.ExportRoot, "nfs-export-root", "",
 		"controller: enables the NFS backend; where volume data lives on the server (a prjquota xfs mount point, or a directory where the driver keeps and mounts a pool image)")
 	o.nfs.PoolImageSize = 100 << 30
@@ -177,13 +205,16 @@ func parseRoles(s string) ([]driver.Role, error) {
 		case driver.RoleNode:
 			roles = append(roles, driver.RoleNode)
 		default:
-			return nil, fmt.Errorf("--roles: %q is not one of controller, node", r)
+			return nil, fmt.Errorf("--roles: %q is not one of controller, node (or target, alone)", r)
 		}
 	}
 	return roles, nil
 }
 
 func run(o *options) error {
+	if strings.TrimSpace(o.roles) == roleTarget {
+		return runTarget(o)
+	}
 	roles, err := parseRoles(o.roles)
 	if err != nil {
 		return err
@@ -205,7 +236,7 @@ func run(o *options) error {
 			return err
 		}
 	}
-	if isController && len(o.pools) == 0 && o.nfs.ExportRoot == "" {
+	if isController && len(o.pools) == 0 && len(o.targets) == 0 && o.nfs.ExportRoot == "" {
 		return fmt.Errorf("the controller role needs at least one backend (e.g. --block-pool ZONE=DIR)")
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
@@ -283,7 +314,7 @@ func run(o *options) error {
 			return err
 		}
 		defer lock.Release()
-		ctrls, stopControllers, err := setupControllers(ctx, o)
+		ctrls, stopControllers, err := setupControllers(ctx, o, d.WaitingFor)
 		if err != nil {
 			srv.Stop()
 			return err
@@ -302,7 +333,7 @@ func run(o *options) error {
 // block pool, the NFS export root and the directory of the ganesha it runs.
 func controllerDirs(o *options) []string {
 	var dirs []string
-	for _, dir := range o.pools {
+	for _, dir := range controllerPools(o) {
 		dirs = append(dirs, dir)
 	}
 	if o.nfs.ExportRoot != "" {
@@ -312,6 +343,20 @@ func controllerDirs(o *options) []string {
 		}
 	}
 	return dirs
+}
+
+// controllerPools are the block pools the controller acts on itself: a
+// zone with a --block-target is its target's, and a --block-pool of that
+// zone is there for the node role only (the loop transport on a host that
+// sees the target's pool).
+func controllerPools(o *options) map[string]string {
+	pools := map[string]string{}
+	for zone, dir := range o.pools {
+		if _, remote := o.targets[zone]; !remote {
+			pools[zone] = dir
+		}
+	}
+	return pools
 }
 
 // lockControllerDirs takes the controller lock on every directory the
@@ -332,7 +377,7 @@ func lockControllerDirs(ctx context.Context, o *options, d *driver.Driver) (*con
 
 // setupControllers opens the controller's backends; stop undoes what they
 // started (the NFS server).
-func setupControllers(ctx context.Context, o *options) (map[accessmode.Backend]backend.Controller, func(), error) {
+func setupControllers(ctx context.Context, o *options, waiting func(string)) (map[accessmode.Backend]backend.Controller, func(), error) {
 	ctrls := map[accessmode.Backend]backend.Controller{}
 	stop := func() {}
 	if o.nfs.ExportRoot != "" {
@@ -343,13 +388,27 @@ func setupControllers(ctx context.Context, o *options) (map[accessmode.Backend]b
 		ctrls[accessmode.BackendNFS] = c
 		stop = stopNFS
 	}
-	if len(o.pools) > 0 {
-		c, err := block.NewController(o.pools)
+	var local backend.Controller
+	if pools := controllerPools(o); len(pools) > 0 {
+		c, err := block.NewController(pools)
 		if err != nil {
 			stop()
 			return nil, nil, fmt.Errorf("block pools: %w", err)
 		}
-		ctrls[accessmode.BackendBlock] = c
+		local = c
+	}
+	if len(o.targets) > 0 {
+		joined, closeTargets, err := dialTargets(ctx, o, local, waiting)
+		if err != nil {
+			stop()
+			return nil, nil, err
+		}
+		local = joined
+		stopNFS := stop
+		stop = func() { closeTargets(); stopNFS() }
+	}
+	if local != nil {
+		ctrls[accessmode.BackendBlock] = local
 	}
 	return ctrls, stop, nil
 }

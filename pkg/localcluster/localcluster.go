@@ -12,6 +12,7 @@ package localcluster
 import (
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -25,6 +26,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/modeguard/modeguard/pkg/backend/remote"
 	"github.com/modeguard/modeguard/pkg/stories"
 )
 
@@ -51,6 +53,9 @@ type Cluster struct {
 
 	controller *process
 	nodes      map[string]*process
+	// targets are the storage targets by zone, with StartWithTargets.
+	targets    map[string]*process
+	targetOpts *Targets
 	conns      []*grpc.ClientConn
 	Stories    *stories.Cluster
 }
@@ -62,6 +67,23 @@ type process struct {
 	logPath  string
 	cmd      *exec.Cmd
 	done     chan struct{}
+	// ready says whether the started process serves; nil: it answers
+	// CSI's Probe ready.
+	ready func(ctx context.Context) error
+}
+
+// Targets makes StartWithTargets put every zone's pool behind a storage
+// target of its own (a process with --roles target), which the controller
+// reaches instead of the pool: over a unix socket, or over loopback TCP
+// with mutual TLS when TLS is set. The node plugins still see the pools
+// (the loop transport: one machine).
+type Targets struct {
+	TLS *TargetTLS
+}
+
+// TargetTLS are the files of both sides of the targets' API.
+type TargetTLS struct {
+	Target, Controller remote.TLSFiles
 }
 
 // Start launches the controller and the nodes and waits until each answers
@@ -73,6 +95,63 @@ func Start(ctx context.Context, binary, workDir string, nodes []NodeSpec, verbos
 		return nil, err
 	}
 	return c, nil
+}
+
+// StartWithTargets is Start with a storage target per zone (see Targets).
+func StartWithTargets(ctx context.Context, binary, workDir string, nodes []NodeSpec, verbosity int, targets Targets) (*Cluster, error) {
+	c := &Cluster{Binary: binary, WorkDir: workDir, Pools: map[string]string{}, nodes: map[string]*process{}, Verbosity: verbosity,
+		targets: map[string]*process{}, targetOpts: &targets}
+	if err := c.startAll(ctx, nodes); err != nil {
+		c.Stop()
+		return nil, err
+	}
+	return c, nil
+}
+
+// startTarget starts zone's storage target on its pool and returns the
+// controller's arguments for it.
+func (c *Cluster) startTarget(ctx context.Context, zone, pool string) ([]string, error) {
+	dir := filepath.Join(c.WorkDir, "targets", zone)
+	p := &process{name: "target-" + zone, logPath: filepath.Join(dir, "log")}
+	endpoint := "unix://" + filepath.Join(dir, "target.sock")
+	address := endpoint
+	var ctrlTLS remote.TLSFiles
+	var tlsArgs []string
+	if t := c.targetOpts.TLS; t != nil {
+		port, err := freeLoopbackPort()
+		if err != nil {
+			return nil, err
+		}
+		address = fmt.Sprintf("127.0.0.1:%d", port)
+		endpoint = "tcp://" + address
+		tlsArgs = []string{"--tls-cert", t.Target.Cert, "--tls-key", t.Target.Key, "--tls-ca", t.Target.CA}
+		ctrlTLS = t.Controller
+	}
+	p.args = append([]string{"--roles", "target", "--block-pool", zone + "=" + pool, "--target-endpoint", endpoint,
+		"-v", fmt.Sprint(c.Verbosity)}, tlsArgs...)
+	p.ready = func(ctx context.Context) error {
+		rc, err := remote.Dial(ctx, remote.Target{Address: address, TLS: ctrlTLS})
+		if err != nil {
+			return err
+		}
+		rc.Close()
+		return nil
+	}
+	if err := c.start(ctx, p); err != nil {
+		return nil, err
+	}
+	c.targets[zone] = p
+	return []string{"--block-target=" + zone + "=" + address}, nil
+}
+
+// freeLoopbackPort is a TCP port free on 127.0.0.1 a moment ago.
+func freeLoopbackPort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
 func (c *Cluster) startAll(ctx context.Context, nodes []NodeSpec) error {
@@ -92,13 +171,32 @@ func (c *Cluster) startAll(ctx context.Context, nodes []NodeSpec) error {
 		poolArgs = append(poolArgs, "--block-pool="+z+"="+dir)
 	}
 	sort.Strings(poolArgs)
+	ctrlPoolArgs := poolArgs
+	if c.targetOpts != nil {
+		ctrlPoolArgs = nil
+		zoneList := make([]string, 0, len(c.Pools))
+		for z := range c.Pools {
+			zoneList = append(zoneList, z)
+		}
+		sort.Strings(zoneList)
+		for _, z := range zoneList {
+			args, err := c.startTarget(ctx, z, c.Pools[z])
+			if err != nil {
+				return err
+			}
+			ctrlPoolArgs = append(ctrlPoolArgs, args...)
+		}
+		if t := c.targetOpts.TLS; t != nil {
+			ctrlPoolArgs = append(ctrlPoolArgs, "--tls-cert", t.Controller.Cert, "--tls-key", t.Controller.Key, "--tls-ca", t.Controller.CA)
+		}
+	}
 	c.controller = &process{
 		name:     "controller",
 		endpoint: "unix://" + filepath.Join(workDir, "controller", "csi.sock"),
 		logPath:  filepath.Join(workDir, "controller", "log"),
 	}
 	c.controller.args = append([]string{"--roles", "controller", "--endpoint", c.controller.endpoint,
-		"--max-volumes-per-node", "64", "-v", fmt.Sprint(verbosity)}, poolArgs...)
+		"--max-volumes-per-node", "64", "-v", fmt.Sprint(verbosity)}, ctrlPoolArgs...)
 	if err := c.start(ctx, c.controller); err != nil {
 		return err
 	}
@@ -163,7 +261,34 @@ func (c *Cluster) start(ctx context.Context, p *process) error {
 		logFile.Close()
 		close(p.done)
 	}()
+	if p.ready != nil {
+		return c.waitFor(ctx, p, p.ready)
+	}
 	return c.waitReady(ctx, p)
+}
+
+// waitFor polls ready until it succeeds, or fails with the tail of the
+// process's log if it exits or takes too long.
+func (c *Cluster) waitFor(ctx context.Context, p *process, ready func(context.Context) error) error {
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		pctx, cancel := context.WithTimeout(ctx, time.Second)
+		err := ready(pctx)
+		cancel()
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-p.done:
+			return fmt.Errorf("%s exited during start-up: %s", p.name, tail(p.logPath))
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s did not become ready (%v): %s", p.name, err, tail(p.logPath))
+		}
+	}
 }
 
 // waitReady polls Probe until the process answers ready, or fails with the
@@ -175,25 +300,13 @@ func (c *Cluster) waitReady(ctx context.Context, p *process) error {
 	}
 	defer conn.Close()
 	id := csi.NewIdentityClient(conn)
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		pctx, cancel := context.WithTimeout(ctx, time.Second)
-		resp, err := id.Probe(pctx, &csi.ProbeRequest{})
-		cancel()
-		if err == nil && resp.GetReady().GetValue() {
-			return nil
+	return c.waitFor(ctx, p, func(ctx context.Context) error {
+		resp, err := id.Probe(ctx, &csi.ProbeRequest{})
+		if err == nil && !resp.GetReady().GetValue() {
+			err = fmt.Errorf("Probe answers not ready")
 		}
-		select {
-		case <-p.done:
-			return fmt.Errorf("%s exited during start-up: %s", p.name, tail(p.logPath))
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(50 * time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%s did not become ready: %s", p.name, tail(p.logPath))
-		}
-	}
+		return err
+	})
 }
 
 func tail(path string) string {
@@ -224,6 +337,9 @@ func (c *Cluster) Logs() map[string]string {
 	for name, p := range c.nodes {
 		out[name] = p.logPath
 	}
+	for _, p := range c.targets {
+		out[p.name] = p.logPath
+	}
 	return out
 }
 
@@ -241,6 +357,10 @@ func (c *Cluster) Stop() []string {
 	}
 	if c.controller != nil {
 		procs = append(procs, c.controller)
+	}
+	// The targets last: the controller may be finishing a call to one.
+	for _, p := range c.targets {
+		procs = append(procs, p)
 	}
 	for _, p := range procs {
 		if p.cmd == nil || p.cmd.Process == nil {

@@ -8,6 +8,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -23,14 +24,24 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
+	"github.com/modeguard/modeguard/pkg/backend/remote"
 	"github.com/modeguard/modeguard/pkg/driver"
 	"github.com/modeguard/modeguard/pkg/mounts"
+	"github.com/modeguard/modeguard/test/certs"
 	"github.com/modeguard/modeguard/test/testenv"
 )
 
 // Run starts a controller+node driver with one block pool and runs the whole
 // sanity suite with volumes of the given access type ("mount" or "block").
-func Run(t *testing.T, accessType string) {
+func Run(t *testing.T, accessType string) { runBlock(t, accessType, false) }
+
+// RunThroughTarget is Run with the pool owned by a storage target: the
+// driver's controller reaches it through the remote API over loopback TCP
+// with mutual TLS, as a controller reaches a zone's target; the node sees
+// the pool itself (the loop transport).
+func RunThroughTarget(t *testing.T, accessType string) { runBlock(t, accessType, true) }
+
+func runBlock(t *testing.T, accessType string, throughTarget bool) {
 	testenv.RequireRoot(t)
 	root := testenv.Tmpfs(t, "768m")
 	pool := filepath.Join(root, "pool-zone-a")
@@ -38,9 +49,13 @@ func Run(t *testing.T, accessType string) {
 		t.Fatal(err)
 	}
 	pools := map[string]string{"zone-a": pool}
+	var ctrl backend.Controller
 	ctrl, err := block.NewController(pools)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if throughTarget {
+		ctrl = serveThroughTarget(t, ctrl)
 	}
 	node, err := block.NewNode(pools)
 	if err != nil {
@@ -57,6 +72,29 @@ func Run(t *testing.T, accessType string) {
 		Controllers: map[accessmode.Backend]backend.Controller{accessmode.BackendBlock: ctrl},
 		Nodes:       map[accessmode.Backend]backend.Node{accessmode.BackendBlock: node},
 	}, cfg)
+}
+
+// serveThroughTarget serves ctrl's API on loopback with mutual TLS and
+// returns a client of it.
+func serveThroughTarget(t *testing.T, ctrl backend.Controller) backend.Controller {
+	authority := certs.NewCA(t, "modeguard")
+	serverTLS, err := remote.TLSFiles(authority.Server("127.0.0.1")).ServerConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: remote.Handler(ctrl), TLSConfig: serverTLS}
+	go srv.ServeTLS(lis, "", "")
+	t.Cleanup(func() { srv.Close() })
+	c, err := remote.Dial(context.Background(), remote.Target{Address: lis.Addr().String(), TLS: remote.TLSFiles(authority.Client("controller"))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	return c
 }
 
 // RunNFSWithFakeKernelMount runs the whole suite against the NFS backend:

@@ -1,0 +1,185 @@
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"sort"
+	"strings"
+	"syscall"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/backend/block"
+	"github.com/modeguard/modeguard/pkg/backend/remote"
+	"github.com/modeguard/modeguard/pkg/backend/zoned"
+	"github.com/modeguard/modeguard/pkg/controllerlock"
+	"github.com/modeguard/modeguard/pkg/driver"
+)
+
+// roleTarget is the storage target: it owns its zones' block pools and
+// serves them to the controller over the remote API. It is not a CSI
+// role: the target serves no CSI calls.
+const roleTarget = "target"
+
+// targetFlag is --block-target ZONE=ADDRESS, repeatable: the zones whose
+// block pools a storage target serves, and where.
+type targetFlag map[string]string
+
+func (f targetFlag) String() string { return zoneValues(f) }
+
+func (f targetFlag) Set(v string) error {
+	return setZoneValue(f, v, "HOST:PORT or ZONE=unix:///PATH", "targets", func(addr string) error {
+		if path, isUnix := strings.CutPrefix(addr, "unix://"); isUnix {
+			if !strings.HasPrefix(path, "/") {
+				return fmt.Errorf("target socket %q must be an absolute path (unix:///path)", addr)
+			}
+		} else if _, _, err := net.SplitHostPort(addr); err != nil {
+			return fmt.Errorf("target address %q is neither HOST:PORT nor unix:///PATH", addr)
+		}
+		return nil
+	})
+}
+
+// runTarget serves the block pools over the remote API until SIGTERM:
+// on a unix socket only root may open, or on TCP with mutual TLS.
+func runTarget(o *options) error {
+	if len(o.pools) == 0 {
+		return fmt.Errorf("the target role needs its zone's pool: --block-pool ZONE=DIR")
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	var dirs []string
+	for _, dir := range o.pools {
+		dirs = append(dirs, dir)
+	}
+	// One process acts on a pool at a time, whichever role it has.
+	lock, err := controllerlock.Acquire(ctx, dirs, time.Second, time.Minute, func(b controllerlock.Busy) {
+		klog.InfoS("Waiting for another process to let go of the pool", "dir", b.Dir, "holder", b.Holder)
+	})
+	if err != nil {
+		return err
+	}
+	defer lock.Release()
+	ctrl, err := block.NewController(o.pools)
+	if err != nil {
+		return fmt.Errorf("block pools: %w", err)
+	}
+	lis, tlsConfig, err := listenTarget(o)
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: remote.Handler(ctrl), ReadHeaderTimeout: 30 * time.Second, TLSConfig: tlsConfig}
+	served := make(chan error, 1)
+	go func() {
+		if tlsConfig == nil {
+			served <- srv.Serve(lis)
+			return
+		}
+		served <- srv.ServeTLS(lis, "", "")
+	}()
+	klog.InfoS("Serving the storage target", "endpoint", o.targetEndpoint, "pools", o.pools.String())
+	select {
+	case err := <-served:
+		return err
+	case <-ctx.Done():
+	}
+	klog.InfoS("Stopping: waiting for calls in flight")
+	sctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		return err
+	}
+	if err := <-served; !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
+
+// listenTarget opens --target-endpoint: a unix socket made 0600 (the
+// controller on the same host runs as root), or TCP that only mutual TLS
+// gets through.
+func listenTarget(o *options) (net.Listener, *tls.Config, error) {
+	var cfg *tls.Config
+	if !strings.HasPrefix(o.targetEndpoint, "unix://") {
+		var err error
+		if cfg, err = o.tls.ServerConfig(); err != nil {
+			return nil, nil, fmt.Errorf("the target on %s needs mutual TLS (--tls-cert, --tls-key, --tls-ca): %w", o.targetEndpoint, err)
+		}
+	}
+	lis, err := driver.Listen(o.targetEndpoint)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--target-endpoint: %w", err)
+	}
+	if cfg == nil {
+		if err := os.Chmod(lis.Addr().String(), 0o600); err != nil {
+			lis.Close()
+			return nil, nil, err
+		}
+	}
+	return lis, cfg, nil
+}
+
+// dialTargets connects to every --block-target and joins them, with the
+// block pools of this process, into the block backend. A target that
+// cannot be reached yet is waited for (saying so): the controller serves
+// no block zone until every one is there, rather than answering for a
+// zone it cannot see.
+func dialTargets(ctx context.Context, o *options, local backend.Controller, waiting func(string)) (backend.Controller, func(), error) {
+	var parts []backend.Controller
+	if local != nil {
+		parts = append(parts, local)
+	}
+	var clients []*remote.Client
+	closeAll := func() {
+		for _, c := range clients {
+			c.Close()
+		}
+	}
+	zones := make([]string, 0, len(o.targets))
+	for z := range o.targets {
+		zones = append(zones, z)
+	}
+	sort.Strings(zones)
+	for _, zone := range zones {
+		addr := o.targets[zone]
+		for {
+			c, err := remote.Dial(ctx, remote.Target{Address: addr, TLS: o.tls})
+			if err == nil {
+				if got := c.Zones(); len(got) != 1 || got[0] != zone {
+					c.Close()
+					closeAll()
+					return nil, nil, fmt.Errorf("--block-target %s=%s: that target serves zones %v, not %s", zone, addr, got, zone)
+				}
+				clients = append(clients, c)
+				parts = append(parts, c)
+				break
+			}
+			why := fmt.Sprintf("the storage target of zone %s at %s: %v", zone, addr, err)
+			klog.InfoS("Waiting for a storage target", "zone", zone, "address", addr, "err", err)
+			waiting(why)
+			select {
+			case <-ctx.Done():
+				closeAll()
+				return nil, nil, ctx.Err()
+			case <-time.After(2 * time.Second):
+			}
+		}
+	}
+	if len(parts) == 1 {
+		return parts[0], closeAll, nil
+	}
+	joined, err := zoned.New(parts...)
+	if err != nil {
+		closeAll()
+		return nil, nil, err
+	}
+	return joined, closeAll, nil
+}

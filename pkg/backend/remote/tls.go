@@ -1,0 +1,84 @@
+package remote
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"fmt"
+	"os"
+)
+
+// TLSFiles are the PEM files of one side of the API, as a Kubernetes
+// Secret of type kubernetes.io/tls with a ca.crt mounts them: this side's
+// certificate and key, and the CA that signs the other side's.
+type TLSFiles struct {
+	Cert, Key, CA string
+}
+
+func (f TLSFiles) check() error {
+	if f.Cert == "" || f.Key == "" || f.CA == "" {
+		return errNoTLS
+	}
+	return nil
+}
+
+// load reads the files.
+func (f TLSFiles) load() (tls.Certificate, *x509.CertPool, error) {
+	if err := f.check(); err != nil {
+		return tls.Certificate{}, nil, err
+	}
+	cert, err := tls.LoadX509KeyPair(f.Cert, f.Key)
+	if err != nil {
+		return tls.Certificate{}, nil, fmt.Errorf("loading the certificate %s and key %s: %w", f.Cert, f.Key, err)
+	}
+	pem, err := os.ReadFile(f.CA)
+	if err != nil {
+		return tls.Certificate{}, nil, fmt.Errorf("reading the CA: %w", err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pem) {
+		return tls.Certificate{}, nil, fmt.Errorf("%s holds no PEM certificate", f.CA)
+	}
+	return cert, pool, nil
+}
+
+// clientConfig is the controller's side: its certificate, and the CA that
+// must have signed the target's for serverName.
+func (f TLSFiles) clientConfig(serverName string) (*tls.Config, error) {
+	cert, pool, err := f.load()
+	if err != nil {
+		return nil, err
+	}
+	return &tls.Config{
+		MinVersion:   tls.VersionTLS13,
+		Certificates: []tls.Certificate{cert},
+		RootCAs:      pool,
+		ServerName:   serverName,
+	}, nil
+}
+
+// ServerConfig is the target's side: every connection must present a
+// client certificate the CA signed for client authentication. The files
+// are read at every handshake, so a rotated Secret takes effect at once;
+// files that cannot be read refuse the connection rather than serve
+// without authentication.
+func (f TLSFiles) ServerConfig() (*tls.Config, error) {
+	if _, _, err := f.load(); err != nil {
+		return nil, err
+	}
+	return &tls.Config{
+		MinVersion: tls.VersionTLS13,
+		GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) {
+			cert, pool, err := f.load()
+			if err != nil {
+				return nil, err
+			}
+			return &tls.Config{
+				MinVersion:   tls.VersionTLS13,
+				Certificates: []tls.Certificate{cert},
+				ClientCAs:    pool,
+				ClientAuth:   tls.RequireAndVerifyClientCert,
+				NextProtos:   []string{"h2", "http/1.1"},
+			}, nil
+		},
+	}, nil
+}
