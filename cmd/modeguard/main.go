@@ -22,6 +22,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
+	"github.com/modeguard/modeguard/pkg/backend/block/served"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
 	"github.com/modeguard/modeguard/pkg/backend/remote"
 	"github.com/modeguard/modeguard/pkg/controllerlock"
@@ -101,6 +102,8 @@ type options struct {
 	targets        targetFlag
 	targetEndpoint string
 	tls            remote.TLSFiles
+	// iSCSI, for a target that serves its volumes to the nodes over it.
+	iscsiPortal, iscsiPrefix, iscsiCHAPDir string
 
 	// Registration with the kubelet, for nodes without node-driver-registrar.
 	kubeletRegistrationDir  string
@@ -153,6 +156,9 @@ func parseFlags(args []string) (*options, error) {
 	fs.Var(o.targets, "block-target", "controller: ZONE=HOST:PORT or ZONE=unix:///PATH: the storage target (--roles target) that serves zone ZONE's block pool (repeatable)")
 	fs.StringVar(&o.targetEndpoint, "target-endpoint", "unix:///run/modeguard/target.sock",
 		"target: where to serve the storage target's API: unix:///path (0600) or tcp://host:port (mutual TLS: --tls-cert, --tls-key, --tls-ca)")
+	fs.StringVar(&o.iscsiPortal, "iscsi-portal", "", "target: ADDR:PORT to serve the volumes to the nodes over iSCSI from (the kernel's LIO target; empty: no iSCSI)")
+	fs.StringVar(&o.iscsiPrefix, "iscsi-iqn-prefix", served.DefaultPrefix, "target: the IQN the volumes' iSCSI targets are named under (<prefix>:<volume>)")
+	fs.StringVar(&o.iscsiCHAPDir, "iscsi-chap-dir", "", "target: a directory with one file per node key holding that node's CHAP secret (a mounted Secret)")
 	fs.StringVar(&o.tls.Cert, "tls-cert", "", "target and controller: this side's certificate (PEM) for the storage target's API")
 	fs.StringVar(&o.tls.Key, "tls-key", "", "target and controller: the key of --tls-cert (PEM)")
 	fs.StringVar(&o.tls.CA, "tls-ca", "", "target and controller: the CA (PEM) that signs the other side's certificate")

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/signal"
 	"sort"
@@ -18,6 +19,8 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block"
+	"github.com/modeguard/modeguard/pkg/backend/block/lio"
+	"github.com/modeguard/modeguard/pkg/backend/block/served"
 	"github.com/modeguard/modeguard/pkg/backend/remote"
 	"github.com/modeguard/modeguard/pkg/backend/zoned"
 	"github.com/modeguard/modeguard/pkg/controllerlock"
@@ -68,9 +71,21 @@ func runTarget(o *options) error {
 		return err
 	}
 	defer lock.Release()
-	ctrl, err := block.NewController(o.pools)
+	pools, err := block.NewController(o.pools)
 	if err != nil {
 		return fmt.Errorf("block pools: %w", err)
+	}
+	var ctrl backend.Controller = pools
+	if o.iscsiPortal != "" {
+		portal, err := netip.ParseAddrPort(o.iscsiPortal)
+		if err != nil {
+			return fmt.Errorf("--iscsi-portal: %w", err)
+		}
+		if ctrl, err = served.New(ctx, pools, served.Config{
+			LIO: lio.Config{Prefix: o.iscsiPrefix, Portal: portal}, CHAPDir: o.iscsiCHAPDir,
+		}); err != nil {
+			return fmt.Errorf("serving the volumes over iSCSI: %w", err)
+		}
 	}
 	lis, tlsConfig, err := listenTarget(o)
 	if err != nil {

@@ -916,3 +916,17 @@ func cloneVolume(v *backend.Volume) *backend.Volume {
 	}
 	return &out
 }
+
+// ImagePath is where the volume's image is in its pool: what a storage
+// target serves over the network.
+func (c *Controller) ImagePath(id volumeid.ID) (string, error) {
+	p, err := c.poolFor(id, volumeid.Volume)
+	if err != nil {
+		return "", err
+	}
+	path, err := p.imagePath(id)
+	if err != nil {
+		return "", status.Error(codes.Internal, err.Error())
+	}
+	return path, nil
+}

@@ -77,9 +77,11 @@
 // pool directory that every node of the zone sees at the same path (one
 // machine, kind). Across machines the image stays on its zone's storage
 // target and the node reaches it over the network: package lio serves each
-// volume from the kernel's LIO iSCSI target, package iscsi logs the node in
-// with open-iscsi and finds the volume's disk by its session and serial
-// (neither is wired into this backend yet).
+// volume from the kernel's LIO iSCSI target, package served keeps each
+// volume's access list equal to its attachments on a storage target
+// (--roles target), and package iscsi logs the node in with open-iscsi and
+// finds the volume's disk by its session and serial (the node plugin does
+// not use it yet).
 //
 // iSCSI through LIO was chosen over NVMe over TCP for what the access
 // modes need at the server:

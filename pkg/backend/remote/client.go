@@ -31,12 +31,21 @@ type Target struct {
 	// TLS is the controller's client certificate and the CA that signs
 	// targets; unused for a unix socket.
 	TLS TLSFiles
+	// Dial makes the connections (TCP: before TLS); nil dials from this
+	// process's network. Tests reach targets in other network namespaces
+	// with it.
+	Dial func(ctx context.Context, network, addr string) (net.Conn, error)
 }
 
 // Dial connects to a target and asks what it serves (its backend, zones
 // and smallest volume), which the driver needs before the first call.
 func Dial(ctx context.Context, t Target) (*Client, error) {
 	c := &Client{name: t.Address}
+	dial := t.Dial
+	if dial == nil {
+		var d net.Dialer
+		dial = d.DialContext
+	}
 	transport := &http.Transport{
 		MaxIdleConnsPerHost: 16,
 		IdleConnTimeout:     90 * time.Second,
@@ -46,8 +55,7 @@ func Dial(ctx context.Context, t Target) (*Client, error) {
 			return nil, fmt.Errorf("storage target %q: a unix socket needs an absolute path (unix:///path)", t.Address)
 		}
 		transport.DialContext = func(ctx context.Context, _, _ string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, "unix", path)
+			return dial(ctx, "unix", path)
 		}
 		c.base = "http://target"
 	} else {
@@ -66,8 +74,16 @@ func Dial(ctx context.Context, t Target) (*Client, error) {
 			if err != nil {
 				return nil, err
 			}
-			d := tls.Dialer{Config: cfg}
-			return d.DialContext(ctx, network, addr)
+			raw, err := dial(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			conn := tls.Client(raw, cfg)
+			if err := conn.HandshakeContext(ctx); err != nil {
+				raw.Close()
+				return nil, err
+			}
+			return conn, nil
 		}
 		c.base = "https://" + t.Address
 	}

@@ -47,26 +47,38 @@ func (e *env) targetOf(i lio.Initiator) iscsi.Target {
 // login logs vm in as i and returns the disk the package found.
 func (e *env) login(vm *vmtest.VM, i lio.Initiator) iscsi.Disk {
 	e.t.Helper()
-	js, err := json.Marshal(e.targetOf(i))
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	out, code := e.onNode(vm, "login", string(js), serial)
+	d, out, code := e.loginTo(vm, e.targetOf(i), serial)
 	if code != 0 {
 		e.t.Fatalf("%s logging in as %s: exit %d: %s", vm.Name, i.IQN, code, out)
-	}
-	var d iscsi.Disk
-	if err := json.Unmarshal([]byte(out), &d); err != nil {
-		e.t.Fatalf("%s: %v: %s", vm.Name, err, out)
 	}
 	return d
 }
 
+// loginTo logs vm in to tg and finds the disk with serial; it returns the
+// tool's output and exit code too, for logins that should fail.
+func (e *env) loginTo(vm *vmtest.VM, tg iscsi.Target, serial string) (iscsi.Disk, string, int) {
+	e.t.Helper()
+	js, err := json.Marshal(tg)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	out, code := e.onNode(vm, "login", string(js), serial)
+	var d iscsi.Disk
+	if code == 0 {
+		if err := json.Unmarshal([]byte(out), &d); err != nil {
+			e.t.Fatalf("%s: %v: %s", vm.Name, err, out)
+		}
+	}
+	return d, out, code
+}
+
 // logout logs vm out of the volume's target and checks that the kernel
 // has no session left and open-iscsi no record.
-func (e *env) logout(vm *vmtest.VM) {
+func (e *env) logout(vm *vmtest.VM) { e.t.Helper(); e.logoutOf(vm, prefix+":"+volume) }
+
+func (e *env) logoutOf(vm *vmtest.VM, target string) {
 	e.t.Helper()
-	if out, code := e.onNode(vm, "logout", prefix+":"+volume, e.portal); code != 0 {
+	if out, code := e.onNode(vm, "logout", target, e.portal); code != 0 {
 		e.t.Fatalf("%s logging out: exit %d: %s", vm.Name, code, out)
 	}
 	e.wantNoSession(vm)

@@ -116,20 +116,27 @@ func (e *env) setInitiators(list ...lio.Initiator) {
 		e.t.Fatal(err)
 	}
 	e.target("initiators", volume, string(js))
+	e.wantAccessList(volume, list...)
+}
+
+// wantAccessList checks the target's access list of volume name: the
+// initiators' names and read-only flags.
+func (e *env) wantAccessList(name string, want ...lio.Initiator) {
+	e.t.Helper()
 	var have []lio.Initiator
-	if err := json.Unmarshal([]byte(e.target("show", volume)), &have); err != nil {
+	if err := json.Unmarshal([]byte(e.target("show", name)), &have); err != nil {
 		e.t.Fatal(err)
 	}
 	got := map[string]bool{}
 	for _, h := range have {
 		got[h.IQN] = h.ReadOnly
 	}
-	if len(have) != len(list) {
-		e.t.Fatalf("the target's access list is %+v, want %+v", have, list)
+	if len(have) != len(want) {
+		e.t.Fatalf("the target's access list is %+v, want %+v", have, want)
 	}
-	for _, w := range list {
+	for _, w := range want {
 		if ro, ok := got[w.IQN]; !ok || ro != w.ReadOnly {
-			e.t.Fatalf("the target's access list is %+v, want %+v", have, list)
+			e.t.Fatalf("the target's access list is %+v, want %+v", have, want)
 		}
 	}
 }
