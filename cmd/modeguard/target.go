@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
 	"crypto/tls"
 	"errors"
 	"fmt"
@@ -142,6 +143,16 @@ func listenTarget(o *options) (net.Listener, *tls.Config, error) {
 	return lis, cfg, nil
 }
 
+// leaseHolder names this controller on the targets' leases: host, pid and
+// a random part, so that a restarted container (pid 1 again, same host
+// name) is not taken for the controller it replaces.
+var leaseHolder = func() string {
+	host, _ := os.Hostname()
+	var r [4]byte
+	rand.Read(r[:])
+	return fmt.Sprintf("%s pid %d #%x", host, os.Getpid(), r)
+}()
+
 // dialTargets connects to every --block-target and joins them, with the
 // block pools of this process, into the block backend. A target that
 // cannot be reached yet is waited for (saying so): the controller serves
@@ -172,6 +183,16 @@ func dialTargets(ctx context.Context, o *options, local backend.Controller, wait
 					c.Close()
 					closeAll()
 					return nil, nil, fmt.Errorf("--block-target %s=%s: that target serves zones %v, not %s", zone, addr, got, zone)
+				}
+				// One controller at a time, as the pool's lock file
+				// makes it for a pool of the controller's own.
+				if err := c.Hold(ctx, leaseHolder, func(why string) {
+					klog.InfoS("Waiting for another controller to let go of a storage target", "zone", zone, "why", why)
+					waiting(why)
+				}); err != nil {
+					c.Close()
+					closeAll()
+					return nil, nil, err
 				}
 				clients = append(clients, c)
 				parts = append(parts, c)

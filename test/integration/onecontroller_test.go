@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend/remote"
 	"github.com/modeguard/modeguard/test/testenv"
 )
 
@@ -31,8 +32,61 @@ func TestOneControllerActsAtATime(t *testing.T) {
 	testenv.RequireRoot(t)
 	bin := testenv.BuildBinary(t)
 	work := t.TempDir()
-	pool := filepath.Join(work, "pool")
-	poolArg := "--block-pool=zone-a=" + pool
+	oneControllerActsAtATime(t, bin, work, "--block-pool=zone-a="+filepath.Join(work, "pool"),
+		"Waiting for another controller to stop", "locked by another controller")
+}
+
+// TestOneControllerPerStorageTarget: the same with the pool behind a
+// storage target: the target's lease does what the pool's lock file does.
+// The first controller dies without giving the lease back, so the second
+// takes over once the lease's term has run out.
+func TestOneControllerPerStorageTarget(t *testing.T) {
+	testenv.RequireRoot(t)
+	bin := testenv.BuildBinary(t)
+	work := t.TempDir()
+	sock := filepath.Join(work, "target.sock")
+	logf, err := os.Create(filepath.Join(work, "target.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	target := exec.Command(bin, "--roles", "target", "--block-pool=zone-a="+filepath.Join(work, "pool"),
+		"--target-endpoint", "unix://"+sock, "-v", "2")
+	target.Stdout, target.Stderr = logf, logf
+	if err := target.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { _ = target.Wait(); logf.Close(); close(done) }()
+	t.Cleanup(func() {
+		_ = target.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-done:
+		case <-time.After(20 * time.Second):
+			_ = target.Process.Kill()
+			<-done
+		}
+		if t.Failed() {
+			t.Logf("target log:\n%s", testenv.ReadFile(filepath.Join(work, "target.log")))
+		}
+	})
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		if _, err := os.Stat(sock); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the target did not serve")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	oneControllerActsAtATime(t, bin, work, "--block-target=zone-a=unix://"+sock,
+		"Waiting for another controller to let go of a storage target", "another controller holds this storage target")
+}
+
+// oneControllerActsAtATime starts two controllers with blockArg and
+// checks that the second waits (logging waitingLog, refusing calls with
+// refusal) until the first dies, then takes over.
+func oneControllerActsAtATime(t *testing.T, bin, work, blockArg, waitingLog, refusal string) {
+	poolArg := blockArg
 	first := &crashProc{t: t, name: "first controller", bin: bin, socket: filepath.Join(work, "c1.sock"), log: filepath.Join(work, "c1.log"),
 		args: []string{"--roles", "controller", poolArg, "-v", "2"}}
 	first.start()
@@ -91,7 +145,7 @@ func TestOneControllerActsAtATime(t *testing.T) {
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		_, err := probe()
-		if err == nil && strings.Contains(testenv.ReadFile(log2), "Waiting for another controller") {
+		if err == nil && strings.Contains(testenv.ReadFile(log2), waitingLog) {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -108,7 +162,7 @@ func TestOneControllerActsAtATime(t *testing.T) {
 			t.Fatalf("Probe of the waiting controller = ready %t, %v; want not ready", ready, err)
 		}
 		_, err := cc2.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-2@zone-a", VolumeCapability: c})
-		if status.Code(err) != codes.Unavailable || !strings.Contains(status.Convert(err).Message(), "locked by another controller") {
+		if status.Code(err) != codes.Unavailable || !strings.Contains(status.Convert(err).Message(), refusal) {
 			t.Fatalf("publish through the waiting controller: %v, want UNAVAILABLE saying another controller holds the lock", err)
 		}
 		if _, err := cc2.ListVolumes(ctx, &csi.ListVolumesRequest{}); status.Code(err) != codes.Unavailable {
@@ -121,7 +175,7 @@ func TestOneControllerActsAtATime(t *testing.T) {
 	// locks and the second takes over.
 	_ = first.cmd.Process.Kill()
 	<-first.done
-	deadline = time.Now().Add(30 * time.Second)
+	deadline = time.Now().Add(30*time.Second + remote.LeaseTerm)
 	for {
 		if ready, err := probe(); err == nil && ready {
 			break

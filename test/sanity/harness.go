@@ -94,6 +94,9 @@ func serveThroughTarget(t *testing.T, ctrl backend.Controller) backend.Controlle
 		t.Fatal(err)
 	}
 	t.Cleanup(c.Close)
+	if err := c.Hold(context.Background(), "sanity", func(string) {}); err != nil {
+		t.Fatal(err)
+	}
 	return c
 }
 

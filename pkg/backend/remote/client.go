@@ -20,6 +20,10 @@ type Client struct {
 	base string // URL the methods hang under
 	http *http.Client
 	info infoResponse
+	// holder is this controller's lease name once Hold took the lease;
+	// stopRenewal ends the renewals and gives the lease back.
+	holder      string
+	stopRenewal func()
 }
 
 var _ backend.Controller = (*Client)(nil)
@@ -96,8 +100,15 @@ func Dial(ctx context.Context, t Target) (*Client, error) {
 	return c, nil
 }
 
-// Close drops the client's idle connections.
-func (c *Client) Close() { c.http.CloseIdleConnections() }
+// Close gives the lease back (when Hold took it) and drops the client's
+// idle connections.
+func (c *Client) Close() {
+	if c.stopRenewal != nil {
+		c.stopRenewal()
+		c.stopRenewal = nil
+	}
+	c.http.CloseIdleConnections()
+}
 
 func (c *Client) Backend() accessmode.Backend { return c.info.Backend }
 func (c *Client) Zones() []string             { return append([]string(nil), c.info.Zones...) }

@@ -77,9 +77,13 @@ func handle[Req, Resp any](mux *http.ServeMux, method string, fn func(context.Co
 		} else if env.Result, err = json.Marshal(resp); err != nil {
 			env.Error = &wireError{Code: codes.Internal, Message: fmt.Sprintf("%s: encoding the answer: %v", method, err)}
 		}
-		w.Header().Set("Content-Type", "application/json")
-		json.NewEncoder(w).Encode(env)
+		writeEnvelope(w, env)
 	})
+}
+
+func writeEnvelope(w http.ResponseWriter, env envelope) {
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(env)
 }
 
 // call posts req to method at the client's target and decodes the result
@@ -95,6 +99,9 @@ func call[Resp, Req any](ctx context.Context, c *Client, method string, req Req)
 		return resp, status.Errorf(codes.Internal, "%s: %v", method, err)
 	}
 	hreq.Header.Set("Content-Type", "application/json")
+	if c.holder != "" {
+		hreq.Header.Set(holderHeader, c.holder)
+	}
 	hresp, err := c.http.Do(hreq)
 	if err != nil {
 		if ctxErr := ctx.Err(); ctxErr != nil {

@@ -12,6 +12,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -68,6 +69,15 @@ func id(t *testing.T, kind volumeid.Kind, name string) volumeid.ID {
 	return v
 }
 
+func hold(t *testing.T, c *Client, holder string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := c.Hold(ctx, holder, func(why string) { t.Logf("waiting: %s", why) }); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func wantCode(t *testing.T, what string, err error, code codes.Code) {
 	t.Helper()
 	if status.Code(err) != code {
@@ -87,6 +97,7 @@ func TestClientIsTheTargetsController(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
+	hold(t, c, "controller-1")
 	if c.Backend() != accessmode.BackendBlock || !reflect.DeepEqual(c.Zones(), []string{"zone-a"}) || c.MinimumSize() != ctrl.MinimumSize() {
 		t.Fatalf("the client serves %s %v %d", c.Backend(), c.Zones(), c.MinimumSize())
 	}
@@ -237,6 +248,7 @@ func TestUnixSocket(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
+	hold(t, c, "controller-1")
 	if list, err := c.ListVolumes(context.Background()); err != nil || len(list) != 0 {
 		t.Fatalf("ListVolumes = %v, %v", list, err)
 	}
@@ -244,9 +256,14 @@ func TestUnixSocket(t *testing.T) {
 		t.Fatal("a relative socket path was taken")
 	}
 	// A request the API does not know is refused with INVALID_ARGUMENT.
+	req, err := http.NewRequest(http.MethodPost, "http://target/v1/Volume", strings.NewReader(`{"id":{"Backend":"block"},"extra":1}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set(holderHeader, "controller-1")
 	resp, err := (&http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 		return (&net.Dialer{}).DialContext(ctx, "unix", sock)
-	}}}).Post("http://target/v1/Volume", "application/json", strings.NewReader(`{"id":{"Backend":"block"},"extra":1}`))
+	}}}).Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -3,6 +3,7 @@ package remote
 import (
 	"context"
 	"net/http"
+	"time"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
@@ -70,9 +71,15 @@ func fromWireSnapshot(w *wireSnapshot, err error) (*backend.Snapshot, error) {
 
 // Handler serves c. Authentication is the listener's (TLS with client
 // certificates, or a unix socket only root may open): the handler takes
-// every request that reaches it as the controller's.
-func Handler(c backend.Controller) http.Handler {
+// every request that reaches it as a controller's, and answers one
+// controller at a time, the holder of its lease (see Client.Hold).
+func Handler(c backend.Controller) http.Handler { return handler(c, time.Now) }
+
+func handler(c backend.Controller, now func() time.Time) http.Handler {
+	l := &lease{now: now}
 	mux := http.NewServeMux()
+	handle(mux, "Acquire", func(_ context.Context, r leaseRequest) (leaseResponse, error) { return l.acquire(r.Holder) })
+	handle(mux, "Release", func(_ context.Context, r leaseRequest) (empty, error) { l.release(r.Holder); return empty{}, nil })
 	handle(mux, "Info", func(context.Context, empty) (infoResponse, error) {
 		return infoResponse{Backend: c.Backend(), Zones: c.Zones(), MinimumSize: c.MinimumSize()}, nil
 	})
@@ -114,5 +121,5 @@ func Handler(c backend.Controller) http.Handler {
 		}
 		return out, nil
 	})
-	return mux
+	return l.leased(mux)
 }

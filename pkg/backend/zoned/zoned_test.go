@@ -141,6 +141,9 @@ func TestListingFailsWithAnUnreachablePart(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
+	if err := b.Hold(context.Background(), "test", func(string) {}); err != nil {
+		t.Fatal(err)
+	}
 	c, err := New(a, b)
 	if err != nil {
 		t.Fatal(err)

@@ -47,6 +47,9 @@ func (r *targetRole) start() *remote.Client {
 		c, err := remote.Dial(ctx, r.api)
 		cancel()
 		if err == nil {
+			if err := c.Hold(r.e.ctx, "test-controller", func(string) {}); err != nil {
+				r.e.t.Fatal(err)
+			}
 			return c
 		}
 		if time.Now().After(deadline) {

@@ -1,0 +1,101 @@
+package remote
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+)
+
+// clock is a settable now for the target's lease.
+type clock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *clock) now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
+func (c *clock) add(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.t = c.t.Add(d)
+}
+
+// serveUnix serves ctrl's API with the lease on clk's time.
+func serveUnix(t *testing.T, clk *clock) string {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "target.sock")
+	lis, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: handler(blockController(t), clk.now)}
+	go srv.Serve(lis)
+	t.Cleanup(func() { srv.Close() })
+	return "unix://" + sock
+}
+
+func dial(t *testing.T, addr string) *Client {
+	t.Helper()
+	c, err := Dial(context.Background(), Target{Address: addr})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	return c
+}
+
+// One controller at a time: a second waits, saying for whom, and gets
+// nothing answered meanwhile; it takes over once the first gives the
+// lease back.
+func TestSecondControllerWaitsForTheLease(t *testing.T) {
+	addr := serveUnix(t, &clock{t: time.Now()})
+	first, second := dial(t, addr), dial(t, addr)
+	hold(t, first, "controller-1")
+	ctx, cancel := context.WithTimeout(context.Background(), 1500*time.Millisecond)
+	defer cancel()
+	var said []string
+	err := second.Hold(ctx, "controller-2", func(why string) { said = append(said, why) })
+	if err == nil || len(said) == 0 || !strings.Contains(said[0], "controller-1") {
+		t.Fatalf("the second controller's Hold = %v, saying %q; want a wait naming controller-1", err, said)
+	}
+	_, err = second.ListVolumes(context.Background())
+	wantCode(t, "a call without the lease", err, codes.Unavailable)
+	if _, err := first.ListVolumes(context.Background()); err != nil {
+		t.Fatalf("the holder's call: %v", err)
+	}
+	first.Close()
+	hold(t, second, "controller-2")
+	if _, err := second.ListVolumes(context.Background()); err != nil {
+		t.Fatalf("the new holder's call: %v", err)
+	}
+}
+
+// A controller that stopped renewing (stalled, cut off) loses the lease
+// after its term; once another takes it, the first is refused, even when
+// it comes back: it cannot act next to its successor.
+func TestStaleControllerIsRefused(t *testing.T) {
+	clk := &clock{t: time.Now()}
+	addr := serveUnix(t, clk)
+	first, second := dial(t, addr), dial(t, addr)
+	hold(t, first, "controller-1")
+	clk.add(LeaseTerm + time.Second)
+	hold(t, second, "controller-2")
+	_, err := first.ListVolumes(context.Background())
+	wantCode(t, "the stale controller's call", err, codes.Unavailable)
+	if !strings.Contains(err.Error(), "controller-2 holds it") {
+		t.Fatalf("the refusal does not name the holder: %v", err)
+	}
+	// Its renewal does not take the lease back either.
+	if _, err := call[leaseResponse](context.Background(), first, "Acquire", leaseRequest{Holder: "controller-1"}); err == nil {
+		t.Fatal("the stale controller took the lease back from a live holder")
+	}
+	if _, err := second.ListVolumes(context.Background()); err != nil {
+		t.Fatalf("the holder's call: %v", err)
+	}
+}
