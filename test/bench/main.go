@@ -60,6 +60,7 @@ var measurements = []struct {
 	run  func(ctx context.Context, b *bench) ([]row, error)
 }{
 	{"lifecycle", lifecycle},
+	{"target", throughTarget},
 	{"concurrency", concurrency},
 	{"percall", perCall},
 	{"controller", controllerScale},

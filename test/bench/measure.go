@@ -64,14 +64,32 @@ func (p *blockPair) step(name string, f func() error) error {
 }
 
 func (b *bench) startBlockPair(ctx context.Context, name string) (*blockPair, error) {
+	return b.startBlockPairVia(ctx, name, false)
+}
+
+// startBlockPairVia is startBlockPair with, when viaTarget, the pool owned
+// by a storage target that the controller reaches over a unix socket.
+func (b *bench) startBlockPairVia(ctx context.Context, name string, viaTarget bool) (*blockPair, error) {
 	dir := b.dir(name)
 	pool := filepath.Join(dir, "pool")
 	if err := os.MkdirAll(pool, 0o700); err != nil {
 		return nil, err
 	}
 	poolArg := "--block-pool=" + zone + "=" + pool
+	ctrlBlockArg := poolArg
+	if viaTarget {
+		t, err := newTarget(b.opts.binary, filepath.Join(dir, "target"), pool)
+		if err != nil {
+			return nil, err
+		}
+		b.plugins = append(b.plugins, t)
+		if _, err := t.start(ctx); err != nil {
+			return nil, err
+		}
+		ctrlBlockArg = "--block-target=" + zone + "=unix://" + t.socket
+	}
 	ctrl, err := b.plugin(ctx, "controller", filepath.Join(dir, "controller"),
-		"--roles", "controller", poolArg, "--max-volumes-per-node", "100000")
+		"--roles", "controller", ctrlBlockArg, "--max-volumes-per-node", "100000")
 	if err != nil {
 		return nil, err
 	}
@@ -154,6 +172,56 @@ func (p *blockPair) unpublish(ctx context.Context, name, id string) error {
 		}
 	}
 	return nil
+}
+
+// throughTarget: the raw block lifecycle with the controller reaching the
+// pool through a storage target (its API on a unix socket), against the
+// same with the pool the controller's own, alternating, as a ratio; and
+// the controller calls that cross to the target.
+func throughTarget(ctx context.Context, b *bench) ([]row, error) {
+	direct, err := b.startBlockPairVia(ctx, "target-direct", false)
+	if err != nil {
+		return nil, err
+	}
+	remote, err := b.startBlockPairVia(ctx, "target-remote", true)
+	if err != nil {
+		return nil, err
+	}
+	c := capability(singleWriter, "")
+	n := 10 * b.opts.runs
+	var viaDirect, viaTarget []time.Duration
+	for i := -2; i < n; i++ { // two warm-up rounds
+		if i == 0 {
+			remote.steps = map[string][]time.Duration{}
+		}
+		for _, p := range []*blockPair{direct, remote} {
+			name := fmt.Sprintf("life-%d", i+2)
+			began := time.Now()
+			id, _, err := p.publish(ctx, name, gib, c)
+			if err == nil {
+				err = p.unpublish(ctx, name, id)
+			}
+			if err != nil {
+				return nil, err
+			}
+			if i >= 0 && p == direct {
+				viaDirect = append(viaDirect, time.Since(began))
+			} else if i >= 0 {
+				viaTarget = append(viaTarget, time.Since(began))
+			}
+		}
+	}
+	dm, _ := stats(viaDirect)
+	tm, _ := stats(viaTarget)
+	rows := []row{
+		durationRow("lifecycle 1 GiB raw block, pool behind a target", viaTarget, "", fmt.Sprintf("%d lifecycles, the target's API on a unix socket", n)),
+		durationRow("  the same, the pool the controller's own", viaDirect, "", "alternating with the above"),
+		{name: "  target / own pool", value: fmt.Sprintf("%.2fx", float64(tm)/float64(dm)), note: "median over median"},
+	}
+	for _, call := range []string{"CreateVolume", "ControllerPublishVolume", "ControllerUnpublishVolume", "DeleteVolume"} {
+		rows = append(rows, durationRow("    "+call+" via the target", remote.steps[call], "", ""))
+	}
+	return rows, nil
 }
 
 // lifecycle: the full life of a 1 GiB volume, raw block and ext4, against

@@ -31,6 +31,21 @@ type plugin struct {
 	identity csi.IdentityClient
 	ctrl     csi.ControllerClient
 	node     csi.NodeClient
+	// apiOnly: a storage target, which serves no CSI: it is up once its
+	// socket takes connections.
+	apiOnly bool
+}
+
+// newTarget prepares a storage target (--roles target) serving pool on
+// dir/target.sock.
+func newTarget(binary, dir, pool string) (*plugin, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	p := &plugin{name: "target", binary: binary, socket: filepath.Join(dir, "target.sock"), logPath: filepath.Join(dir, "log"), apiOnly: true}
+	p.args = []string{"--roles", "target", "--block-pool=" + zone + "=" + pool, "--target-endpoint", "unix://" + p.socket,
+		"-v", strconv.Itoa(driverVerbosity)}
+	return p, nil
 }
 
 // newPlugin prepares a driver process serving on dir/csi.sock.
@@ -94,6 +109,9 @@ func (p *plugin) start(ctx context.Context) (time.Duration, error) {
 				continue
 			}
 			_ = c.Close()
+			if p.apiOnly {
+				return time.Since(began), nil
+			}
 			if err := p.dial(); err != nil {
 				return 0, err
 			}

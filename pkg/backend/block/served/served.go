@@ -108,7 +108,20 @@ func New(ctx context.Context, pools *block.Controller, cfg Config) (*Controller,
 			return nil, err
 		}
 		if err := c.serve(v, id, v.Attachments); err != nil {
-			return nil, fmt.Errorf("serving volume %s again: %w", v.ID, err)
+			// One node's missing secret must not take every volume
+			// down: the nodes that cannot be let in are left out (and
+			// said so), the others keep their access.
+			var servable []accessmode.Attachment
+			for _, a := range v.Attachments {
+				if _, err := c.initiators([]accessmode.Attachment{a}); err != nil {
+					klog.ErrorS(err, "A node attached to a volume cannot be let in to it; it is left out of the volume's access list", "volume", v.ID, "node", a.NodeID)
+					continue
+				}
+				servable = append(servable, a)
+			}
+			if err := c.serve(v, id, servable); err != nil {
+				return nil, fmt.Errorf("serving volume %s again: %w", v.ID, err)
+			}
 		}
 	}
 	return c, nil
