@@ -11,6 +11,9 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
@@ -220,6 +223,22 @@ func TestTargetRoleServesAttachmentsOverISCSI(t *testing.T) {
 	})
 
 	t.Run("a restarted target serves the same list, and the session comes back", func(t *testing.T) {
+		// C, attached as a reader, has no secret on the target yet: the
+		// attach is refused, saying why.
+		readerC := attachment("node-c", lio.Initiator{IQN: nodeC.IQN, ReadOnly: true}, accessmode.MultiNodeSingleWriter)
+		if _, err := ctrl.SetAttachments(e.ctx, id, []accessmode.Attachment{writerB, readerC}); status.Code(err) != codes.FailedPrecondition ||
+			!strings.Contains(err.Error(), "no CHAP secret") {
+			t.Fatalf("attaching a node without a secret: %v", err)
+		}
+		if err := os.WriteFile(filepath.Join(chap, "node-c"), []byte(nodeC.Secret), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		set(writerB, readerC)
+		// Its secret goes away while the target is down: the restarted
+		// target leaves C out and serves B as before.
+		if err := os.Remove(filepath.Join(chap, "node-c")); err != nil {
+			t.Fatal(err)
+		}
 		ctrl.Close()
 		role.kill()
 		// As after a reboot of the target's host: LIO forgot the volume,
