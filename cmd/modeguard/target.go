@@ -177,7 +177,9 @@ func dialTargets(ctx context.Context, o *options, local backend.Controller, wait
 	for _, zone := range zones {
 		addr := o.targets[zone]
 		for {
-			c, err := remote.Dial(ctx, remote.Target{Address: addr, TLS: o.tls})
+			try, cancel := context.WithTimeout(ctx, 10*time.Second)
+			c, err := remote.Dial(try, remote.Target{Address: addr, TLS: o.tls})
+			cancel()
 			if err == nil {
 				if got := c.Zones(); len(got) != 1 || got[0] != zone {
 					c.Close()

@@ -110,9 +110,16 @@ func (l *lease) leased(next http.Handler) http.Handler {
 func (c *Client) Hold(ctx context.Context, holder string, waiting func(string)) error {
 	c.holder = holder
 	for {
-		_, err := call[leaseResponse](ctx, c, "Acquire", leaseRequest{Holder: holder})
+		// Each try is bounded: a target that takes connections but does
+		// not answer is waited for with a message, not silently.
+		try, cancel := context.WithTimeout(ctx, renewEvery)
+		_, err := call[leaseResponse](try, c, "Acquire", leaseRequest{Holder: holder})
+		cancel()
 		if err == nil {
 			break
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
 		}
 		waiting(fmt.Sprintf("storage target %s: %v", c.name, status.Convert(err).Message()))
 		select {

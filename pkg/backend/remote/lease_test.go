@@ -99,3 +99,36 @@ func TestStaleControllerIsRefused(t *testing.T) {
 		t.Fatalf("the holder's call: %v", err)
 	}
 }
+
+// A target that takes connections but never answers is waited for with a
+// message at every try, not silently forever.
+func TestHoldSaysItWaitsForASilentTarget(t *testing.T) {
+	addr := serveUnix(t, &clock{t: time.Now()})
+	c := dial(t, addr)
+	sock := filepath.Join(t.TempDir(), "silent.sock")
+	lis, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lis.Close()
+	go func() {
+		for {
+			conn, err := lis.Accept()
+			if err != nil {
+				return
+			}
+			defer conn.Close() // held open, never answered
+		}
+	}()
+	c.base, c.name = "http://silent", "unix://"+sock
+	c.http.Transport.(*http.Transport).DialContext = func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, "unix", sock)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), renewEvery+2*time.Second)
+	defer cancel()
+	var said []string
+	err = c.Hold(ctx, "controller-1", func(why string) { said = append(said, why) })
+	if err == nil || len(said) == 0 || !strings.Contains(said[0], "silent.sock") {
+		t.Fatalf("Hold against a silent target = %v, saying %q", err, said)
+	}
+}
