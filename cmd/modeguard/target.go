@@ -93,17 +93,17 @@ func runTarget(o *options) error {
 		return err
 	}
 	srv := &http.Server{Handler: remote.Handler(ctrl), ReadHeaderTimeout: 30 * time.Second, TLSConfig: tlsConfig}
-	served := make(chan error, 1)
+	serving := make(chan error, 1)
 	go func() {
 		if tlsConfig == nil {
-			served <- srv.Serve(lis)
+			serving <- srv.Serve(lis)
 			return
 		}
-		served <- srv.ServeTLS(lis, "", "")
+		serving <- srv.ServeTLS(lis, "", "")
 	}()
 	klog.InfoS("Serving the storage target", "endpoint", o.targetEndpoint, "pools", o.pools.String())
 	select {
-	case err := <-served:
+	case err := <-serving:
 		return err
 	case <-ctx.Done():
 	}
@@ -113,7 +113,7 @@ func runTarget(o *options) error {
 	if err := srv.Shutdown(sctx); err != nil {
 		return err
 	}
-	if err := <-served; !errors.Is(err, http.ErrServerClosed) {
+	if err := <-serving; !errors.Is(err, http.ErrServerClosed) {
 		return err
 	}
 	return nil
@@ -130,15 +130,10 @@ func listenTarget(o *options) (net.Listener, *tls.Config, error) {
 			return nil, nil, fmt.Errorf("the target on %s needs mutual TLS (--tls-cert, --tls-key, --tls-ca): %w", o.targetEndpoint, err)
 		}
 	}
-	lis, err := driver.Listen(o.targetEndpoint)
+	// Root only: bound under umask 077, then never opened wider.
+	lis, err := driver.ListenMode(o.targetEndpoint, 0o600)
 	if err != nil {
 		return nil, nil, fmt.Errorf("--target-endpoint: %w", err)
-	}
-	if cfg == nil {
-		if err := os.Chmod(lis.Addr().String(), 0o600); err != nil {
-			lis.Close()
-			return nil, nil, err
-		}
 	}
 	return lis, cfg, nil
 }

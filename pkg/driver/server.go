@@ -22,7 +22,10 @@ import (
 // Listen opens the endpoint: unix:///path/to/socket or tcp://host:port.
 // A stale socket file is replaced; the socket is made 0660, so only root and
 // the socket's group can reach the driver, whatever the process's umask.
-func Listen(endpoint string) (net.Listener, error) {
+func Listen(endpoint string) (net.Listener, error) { return ListenMode(endpoint, 0o660) }
+
+// ListenMode is Listen with the unix socket made mode instead of 0660.
+func ListenMode(endpoint string, mode os.FileMode) (net.Listener, error) {
 	u, err := url.Parse(endpoint)
 	if err != nil {
 		return nil, fmt.Errorf("endpoint %q: %w", endpoint, err)
@@ -54,7 +57,7 @@ func Listen(endpoint string) (net.Listener, error) {
 		if err != nil {
 			return nil, err
 		}
-		if err := os.Chmod(path, 0o660); err != nil {
+		if err := os.Chmod(path, mode); err != nil {
 			l.Close()
 			return nil, err
 		}

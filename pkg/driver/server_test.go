@@ -66,3 +66,16 @@ func TestListenSocketMode(t *testing.T) {
 	defer l.Close()
 	check("listen over a stale socket")
 }
+
+// A storage target's socket is root's alone.
+func TestListenModeForTheTarget(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "target.sock")
+	l, err := driver.ListenMode("unix://"+sock, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	if fi, err := os.Lstat(sock); err != nil || fi.Mode()&os.ModeSocket == 0 || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("target socket: %v, %v; want srw-------", fi.Mode(), err)
+	}
+}
