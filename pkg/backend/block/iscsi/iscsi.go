@@ -38,6 +38,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/modeguard/modeguard/pkg/command"
 )
 
 // iscsiadm's exit statuses that say something the caller acts on
@@ -423,20 +425,21 @@ func exitedWith(err error, code int) bool {
 	return errors.As(err, &ee) && ee.ExitCode() == code
 }
 
-// iscsiadm runs iscsiadm. Its errors quote the command with every value
-// after -v left out: one of them is the CHAP secret, and errors end up in
-// logs and in the CO's events.
+// iscsiadm runs iscsiadm (package command: errors say what ran and what
+// it said), with every value after -v left out of the quoted command
+// line: one of them is the CHAP secret, and errors end up in logs and in
+// the CO's events.
 func (in *Initiator) iscsiadm(ctx context.Context, args ...string) ([]byte, error) {
 	name := in.Iscsiadm
 	if name == "" {
 		name = "iscsiadm"
 	}
-	cmd := exec.CommandContext(ctx, name, args...)
-	out, err := cmd.CombinedOutput()
-	if err != nil {
-		return out, &commandError{line: redactedLine(name, args), err: err, output: strings.TrimSpace(string(out))}
+	out, err := command.Run(ctx, name, args...)
+	var ce *command.Error
+	if errors.As(err, &ce) {
+		ce.Line = redactedLine(name, args)
 	}
-	return out, nil
+	return out, err
 }
 
 // redactedLine is the command line with the values of -v left out.
@@ -450,25 +453,6 @@ func redactedLine(name string, args []string) string {
 	}
 	return strings.Join(parts, " ")
 }
-
-type commandError struct {
-	line, output string
-	err          error
-}
-
-func (e *commandError) Error() string {
-	const maxOutput = 2048
-	out := e.output
-	if len(out) > maxOutput {
-		out = out[:maxOutput] + "..."
-	}
-	if out == "" {
-		return fmt.Sprintf("%s: %v", e.line, e.err)
-	}
-	return fmt.Sprintf("%s: %v: %s", e.line, e.err, out)
-}
-
-func (e *commandError) Unwrap() error { return e.err }
 
 func readAttr(path string) (string, error) {
 	data, err := os.ReadFile(path)
