@@ -124,8 +124,8 @@ func TestAttachSizeRefreshAndDetach(t *testing.T) {
 	if done, err := DetachIfBackedBy(ctx, dev.Path, image); err != nil || !done {
 		t.Fatalf("DetachIfBackedBy = %v, %v", done, err)
 	}
-	if backing, err := BackingFile(dev.Path); err != nil || backing != "" {
-		t.Fatalf("after detach, backing = %q, %v", backing, err)
+	if named, err := NamedBy(dev.Path, image); err != nil || named {
+		t.Fatalf("after detach, %s is still %s's: %v, %v", dev.Path, image, named, err)
 	}
 	if done, err := DetachIfBackedBy(ctx, dev.Path, image); err != nil || done {
 		t.Fatalf("second detach: %v, %v", done, err)
@@ -215,7 +215,9 @@ func TestNamedByThroughAMountThatIsGone(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		if backing, _ := BackingFile(dev.Path); backing != "" {
+		// Only while it is still this test's: a freed device may already
+		// serve a test of another package running at the same time.
+		if named, _ := NamedBy(dev.Path, image); named {
 			exec.Command("losetup", "--detach", dev.Path).Run()
 		}
 	})
@@ -441,8 +443,10 @@ func TestDetachWaitsForTheLastOpener(t *testing.T) {
 	default:
 		t.Fatal("the detach returned while another opener still held the device")
 	}
-	if backing, err := BackingFile(dev.Path); err != nil || backing != "" {
-		t.Fatalf("after the detach, %s is bound to %q (%v)", dev.Path, backing, err)
+	// Not "unbound": loop devices are the machine's, and a test of another
+	// package may take the freed device at once.
+	if named, err := NamedBy(dev.Path, image); err != nil || named {
+		t.Fatalf("after the detach, %s is still %s's: %v, %v", dev.Path, image, named, err)
 	}
 }
 
@@ -477,12 +481,12 @@ func TestDetachOfAHeldDeviceFailsNamingTheHolder(t *testing.T) {
 	holder.Close()
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		backing, err := BackingFile(dev.Path)
-		if err == nil && backing == "" {
+		named, err := NamedBy(dev.Path, image)
+		if err == nil && !named {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%s still bound to %q after its holder closed it", dev.Path, backing)
+			t.Fatalf("%s still bound to %s after its holder closed it (%v)", dev.Path, image, err)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
