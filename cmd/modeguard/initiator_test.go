@@ -31,6 +31,35 @@ func TestNodeRefusesABadInitiatorNameFile(t *testing.T) {
 	}
 }
 
+// A node that reports an initiator name but has no CHAP secret to log in
+// with does not start: every target would refuse it.
+func TestNodeWithAnInitiatorNameNeedsItsCHAPSecret(t *testing.T) {
+	dir := t.TempDir()
+	name := filepath.Join(dir, "initiatorname.iscsi")
+	if err := os.WriteFile(name, []byte("InitiatorName=iqn.2026-11.dev.example:worker-1\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"--roles", "node", "--node-id", "worker-1", "--zone", "zone-a",
+		"--state-dir", filepath.Join(dir, "state"), "--iscsi-initiator-name-file", name}
+	for _, tc := range []struct {
+		name, want string
+		extra      []string
+	}{
+		{"no secret file", "--iscsi-chap-secret-file", nil},
+		{"missing secret file", "CHAP secret", []string{"--iscsi-chap-secret-file", filepath.Join(dir, "missing")}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			o, err := parseFlags(append(append([]string{}, base...), tc.extra...))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := run(o); err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("run = %v, want a refusal naming %q", err, tc.want)
+			}
+		})
+	}
+}
+
 func TestBlockTargetFlag(t *testing.T) {
 	for _, tc := range []struct {
 		arg  string

@@ -28,6 +28,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/controllerlock"
 	"github.com/modeguard/modeguard/pkg/driver"
 	"github.com/modeguard/modeguard/pkg/metrics"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/registration"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
@@ -93,8 +94,11 @@ type options struct {
 	showVersion bool
 	nfs         nfs.Options
 
-	// iscsiInitiatorFile is where the node reads its iSCSI initiator name.
-	iscsiInitiatorFile string
+	// iscsiInitiatorFile is where the node reads its iSCSI initiator name;
+	// iscsiSecretFile holds its CHAP secret; iscsiReplacement bounds how
+	// long I/O waits for a lost session before it fails.
+	iscsiInitiatorFile, iscsiSecretFile string
+	iscsiReplacement                    time.Duration
 
 	// Storage targets: the zones the controller reaches through one
 	// (--block-target), where a target serves (--target-endpoint), and
@@ -149,6 +153,10 @@ func parseFlags(args []string) (*options, error) {
 	fs.StringVar(&o.nodeAddress, "node-address", "", "IP address this node mounts NFS exports from (node role, optional)")
 	fs.StringVar(&o.iscsiInitiatorFile, "iscsi-initiator-name-file", "",
 		"node: open-iscsi's initiator name file (usually "+iscsi.InitiatorNameFile+"); the name in it goes into the node id, for the iSCSI transport's access lists (empty: this node does not reach volumes over iSCSI)")
+	fs.StringVar(&o.iscsiSecretFile, "iscsi-chap-secret-file", "",
+		"node: this node's CHAP secret for the storage targets (its key of the targets' CHAP Secret); needed with --iscsi-initiator-name-file")
+	fs.DurationVar(&o.iscsiReplacement, "iscsi-replacement-timeout", 30*time.Second,
+		"node: how long I/O on an iSCSI session that lost its target waits for it before failing (a target restart must fit in it; a fenced node's writes fail after it at the latest)")
 	fs.StringVar(&o.stateDir, "state-dir", "/var/lib/modeguard", "directory for this node plugin's lock files and stage records")
 	fs.StringVar(&o.driverName, "driver-name", driver.DefaultDriverName, "CSI driver name")
 	fs.Int64Var(&o.maxVolumes, "max-volumes-per-node", 128, "node: volumes this node may hold at once, reported in NodeGetInfo and in its node id; the controller refuses an attach beyond it (0: no limit)")
@@ -241,6 +249,9 @@ func run(o *options) error {
 		if cfg.ISCSIInitiator, err = iscsi.ReadInitiatorName(o.iscsiInitiatorFile); err != nil {
 			return err
 		}
+		if o.iscsiSecretFile == "" {
+			return fmt.Errorf("--iscsi-initiator-name-file needs --iscsi-chap-secret-file: the storage targets let a node in only with its CHAP secret")
+		}
 	}
 	if isController && len(o.pools) == 0 && len(o.targets) == 0 && o.nfs.ExportRoot == "" {
 		return fmt.Errorf("the controller role needs at least one backend (e.g. --block-pool ZONE=DIR)")
@@ -253,7 +264,17 @@ func run(o *options) error {
 	}
 	if slices.Contains(roles, driver.RoleNode) {
 		cfg.Nodes[accessmode.BackendNFS] = nfs.NewNode(nil, nil)
-		if len(o.pools) > 0 {
+		switch {
+		case cfg.ISCSIInitiator != "":
+			n, err := block.NewNetworkNode(o.pools, block.ISCSI{
+				Initiator: iscsi.Initiator{ReplacementTimeout: o.iscsiReplacement},
+				User:      nodeid.Key(o.nodeID), SecretFile: o.iscsiSecretFile,
+			})
+			if err != nil {
+				return fmt.Errorf("block volumes over iSCSI: %w", err)
+			}
+			cfg.Nodes[accessmode.BackendBlock] = n
+		case len(o.pools) > 0:
 			n, err := block.NewNode(o.pools)
 			if err != nil {
 				return fmt.Errorf("block pools: %w", err)

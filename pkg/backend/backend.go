@@ -184,8 +184,15 @@ type StageRequest struct {
 	MountFlags  []string
 	// Mode is the capability's access mode; it must be within the mode the
 	// volume is attached to this node with.
-	Mode           accessmode.Mode
-	ReadOnly       bool // effective: the mode, the CO's flag and the attachment combined
+	Mode     accessmode.Mode
+	ReadOnly bool // effective: the mode, the CO's flag and the attachment combined
+	// AttachedReadOnly is the attachment's own read-only flag, as
+	// ControllerPublishVolume answered it: what a server that enforces the
+	// attachments (a storage target) lets this node do.
+	AttachedReadOnly bool
+	// CapacityBytes is the volume's size when it was attached to this node
+	// (0: not known), which a disk reached over the network must have.
+	CapacityBytes  int64
 	PublishContext map[string]string
 	VolumeContext  map[string]string
 	// Recover says an earlier stage of this volume on this node was
@@ -277,6 +284,10 @@ type Staged struct {
 	// Device is the block device for access type block (and the device
 	// behind the staging mount for block-backed filesystems).
 	Device string `json:"device,omitempty"`
+	// Transport holds where a volume reached over the network comes from
+	// (its volume context's transport keys), so that the stage can be
+	// checked and undone without the CO's request.
+	Transport map[string]string `json:"transport,omitempty"`
 	// Fingerprint identifies the stage arguments: a second stage with other
 	// arguments is ALREADY_EXISTS.
 	Fingerprint string    `json:"fingerprint"`

@@ -37,6 +37,10 @@ var minimumSize = map[string]int64{"ext4": 1 * mib, "xfs": 300 * mib}
 const (
 	PublishContextReadOnly = "readonly"
 	PublishContextMode     = "mode"
+	// PublishContextCapacity is the volume's size when it was attached: a
+	// node that reaches the volume over the network checks its disk
+	// against it.
+	PublishContextCapacity = "capacityBytes"
 )
 
 // Volume context keys set by CreateVolume.
@@ -860,6 +864,7 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 	return &csi.ControllerPublishVolumeResponse{PublishContext: map[string]string{
 		PublishContextReadOnly: strconv.FormatBool(want.ReadOnly),
 		PublishContextMode:     accessmode.Name(mode),
+		PublishContextCapacity: strconv.FormatInt(vol.CapacityBytes, 10),
 	}}, nil
 }
 

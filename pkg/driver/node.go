@@ -126,6 +126,16 @@ func publishedReadOnly(ctx map[string]string) bool {
 	return ro
 }
 
+// publishedCapacity is the volume's size as ControllerPublishVolume
+// answered it; 0 when the publish context does not say.
+func publishedCapacity(ctx map[string]string) int64 {
+	n, err := strconv.ParseInt(ctx[PublishContextCapacity], 10, 64)
+	if err != nil || n < 0 {
+		return 0
+	}
+	return n
+}
+
 // attachedMode is the mode ControllerPublishVolume attached the volume to
 // this node with, as its publish context tells. Without it the node cannot
 // know what it may allow, so it allows nothing.
@@ -273,6 +283,7 @@ func (s *nodeServer) stage(ctx context.Context, id volumeid.ID, nb backend.Node,
 	staged, err := nb.Stage(ctx, backend.StageRequest{
 		VolumeID: id, NodeID: s.d.nodeID, StagingPath: args.path,
 		AccessType: args.accessType, FsType: args.fsType, MountFlags: args.flags, Mode: args.mode, ReadOnly: args.readOnly,
+		AttachedReadOnly: publishedReadOnly(req.GetPublishContext()), CapacityBytes: publishedCapacity(req.GetPublishContext()),
 		PublishContext: req.GetPublishContext(), VolumeContext: req.GetVolumeContext(),
 		Recover: interrupted,
 	})

@@ -12,6 +12,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
 	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/fsutil"
@@ -35,6 +36,8 @@ type Node struct {
 	mounter *mount.SafeFormatAndMount
 	resizer *mount.ResizeFs
 	table   mounts.Table
+	// iscsi is set on a node that reaches volumes over iSCSI too.
+	iscsi *ISCSI
 }
 
 // NewNode opens the same pools as the controller, read-only.
@@ -43,13 +46,17 @@ func NewNode(pools map[string]string) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
+	return newNode(parsed, zones), nil
+}
+
+func newNode(pools map[string]*pool, zones []string) *Node {
 	exec := utilexec.New()
 	return &Node{
-		pools:   parsed,
+		pools:   pools,
 		zones:   zones,
 		mounter: mount.NewSafeFormatAndMount(mount.New(""), exec),
 		resizer: mount.NewResizeFs(exec),
-	}, nil
+	}
 }
 
 // Backend names the backend.
@@ -94,6 +101,16 @@ func (n *Node) readVolume(p *pool, id volumeid.ID) (*backend.Volume, error) {
 // attached: the pool is shared, so this check is what keeps a node from
 // using a volume ControllerPublishVolume never granted it.
 func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.Staged, error) {
+	if req.VolumeID.Backend != accessmode.BackendBlock || req.VolumeID.Kind != volumeid.Volume {
+		return nil, status.Errorf(codes.InvalidArgument, "%s is not a block volume id", req.VolumeID)
+	}
+	// The volume context is the storage target's word on where the volume
+	// is, and wins over a pool this node may also have for the zone.
+	if v, ok, err := iscsi.FromContext(req.VolumeID.String(), req.VolumeContext); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	} else if ok {
+		return n.stageISCSI(ctx, req, v)
+	}
 	p, image, err := n.locate(req.VolumeID)
 	if err != nil {
 		return nil, err
@@ -379,6 +396,9 @@ func (n *Node) Unstage(ctx context.Context, staged *backend.Staged) error {
 	if err != nil {
 		return status.Errorf(codes.InvalidArgument, "staged volume id: %v", err)
 	}
+	if n.overISCSI(id, staged.Transport) {
+		return n.unstageISCSI(ctx, id, staged)
+	}
 	_, image, err := n.locate(id)
 	if err != nil {
 		return err
@@ -432,6 +452,9 @@ func (n *Node) Expand(ctx context.Context, staged *backend.Staged) (int64, error
 	id, err := volumeid.ParseKind(staged.VolumeID, volumeid.Volume)
 	if err != nil {
 		return 0, status.Errorf(codes.InvalidArgument, "staged volume id: %v", err)
+	}
+	if n.overISCSI(id, staged.Transport) {
+		return 0, status.Errorf(codes.FailedPrecondition, "volume %s is reached over iSCSI, which does not grow volumes yet", id)
 	}
 	p, image, err := n.locate(id)
 	if err != nil {
@@ -507,6 +530,12 @@ func (n *Node) Health(ctx context.Context, staged *backend.Staged) backend.Healt
 	if err != nil {
 		return backend.Health{Abnormal: true, Reason: "InvalidVolumeID", Message: err.Error()}
 	}
+	if n.overISCSI(id, staged.Transport) {
+		if h, ok := n.healthISCSI(id, staged); !ok {
+			return h
+		}
+		return n.healthOfMount(staged)
+	}
 	_, image, err := n.locate(id)
 	if err != nil {
 		return backend.Health{Abnormal: true, Reason: "NoPool", Message: status.Convert(err).Message()}
@@ -527,6 +556,12 @@ func (n *Node) Health(ctx context.Context, staged *backend.Staged) backend.Healt
 	if same, err := loop.BoundTo(staged.Device, image); err != nil || !same {
 		return backend.Health{Abnormal: true, Reason: "ImageReplaced", Message: fmt.Sprintf("loop device %s is backed by another file of the volume's image name (%s), not by the image there now", staged.Device, backing)}
 	}
+	return n.healthOfMount(staged)
+}
+
+// healthOfMount checks that a mount stage's staging path still holds the
+// staged device's filesystem.
+func (n *Node) healthOfMount(staged *backend.Staged) backend.Health {
 	if staged.AccessType == accessmode.Mount {
 		notMnt, err := n.mounter.IsLikelyNotMountPoint(staged.StagingPath)
 		if err != nil || notMnt {
@@ -549,34 +584,45 @@ func (n *Node) Check(ctx context.Context, staged *backend.Staged) (backend.Stage
 	if err != nil {
 		return backend.StageCheck{}, status.Errorf(codes.InvalidArgument, "staged volume id: %v", err)
 	}
-	_, image, err := n.locate(id)
-	if err != nil {
-		return backend.StageCheck{}, err
+	var bound, ro bool
+	if n.overISCSI(id, staged.Transport) {
+		if bound, ro, err = n.boundISCSI(id, staged); err != nil {
+			return backend.StageCheck{}, err
+		}
+	} else {
+		_, image, err := n.locate(id)
+		if err != nil {
+			return backend.StageCheck{}, err
+		}
+		if staged.Device != "" {
+			if bound, err = loop.BoundTo(staged.Device, image); err != nil {
+				return backend.StageCheck{}, status.Errorf(codes.Internal, "inspecting %s: %v", staged.Device, err)
+			}
+		}
+		if bound {
+			if ro, err = loop.ReadOnly(staged.Device); err != nil {
+				return backend.StageCheck{}, status.Errorf(codes.Internal, "inspecting %s: %v", staged.Device, err)
+			}
+		}
 	}
+	return n.checkStage(staged, bound, ro)
+}
+
+// checkStage is Check once the staged device is known to be the volume's
+// (bound) or not, with its read-only flag.
+func (n *Node) checkStage(staged *backend.Staged, bound, ro bool) (backend.StageCheck, error) {
 	gone := func(format string, a ...any) (backend.StageCheck, error) {
 		return backend.StageCheck{State: backend.StageGone, Detail: fmt.Sprintf(format, a...)}, nil
 	}
 	broken := func(format string, a ...any) (backend.StageCheck, error) {
 		return backend.StageCheck{State: backend.StageBroken, Detail: fmt.Sprintf(format, a...)}, nil
 	}
-	bound := false
-	if staged.Device != "" {
-		if bound, err = loop.BoundTo(staged.Device, image); err != nil {
-			return backend.StageCheck{}, status.Errorf(codes.Internal, "inspecting %s: %v", staged.Device, err)
-		}
-	}
-	if bound {
-		ro, err := loop.ReadOnly(staged.Device)
-		if err != nil {
-			return backend.StageCheck{}, status.Errorf(codes.Internal, "inspecting %s: %v", staged.Device, err)
-		}
-		if ro != staged.ReadOnly {
-			return broken("loop device %s is bound to the volume's image with readonly=%t, but the stage was made with readonly=%t", staged.Device, ro, staged.ReadOnly)
-		}
+	if bound && ro != staged.ReadOnly {
+		return broken("device %s is the volume's with readonly=%t, but the stage was made with readonly=%t", staged.Device, ro, staged.ReadOnly)
 	}
 	if staged.AccessType == accessmode.Block {
 		if !bound {
-			return gone("loop device %q is no longer bound to the volume's image", staged.Device)
+			return gone("device %q is no longer the volume's", staged.Device)
 		}
 		return backend.StageCheck{State: backend.StageIntact}, nil
 	}
@@ -586,26 +632,26 @@ func (n *Node) Check(ctx context.Context, staged *backend.Staged) (backend.Stage
 	}
 	if m == nil {
 		if !bound {
-			return gone("nothing is mounted at %s and loop device %q is not bound to the volume's image", staged.StagingPath, staged.Device)
+			return gone("nothing is mounted at %s and device %q is not the volume's", staged.StagingPath, staged.Device)
 		}
 		users, err := n.deviceUsers(staged.Device)
 		if err != nil {
 			return backend.StageCheck{}, err
 		}
 		if len(users) > 0 {
-			return broken("nothing is mounted at %s, but the volume's loop device %s is still mounted at %s", staged.StagingPath, staged.Device, strings.Join(users, ", "))
+			return broken("nothing is mounted at %s, but the volume's device %s is still mounted at %s", staged.StagingPath, staged.Device, strings.Join(users, ", "))
 		}
-		return gone("nothing is mounted at %s; loop device %s is bound to the volume's image and unused", staged.StagingPath, staged.Device)
+		return gone("nothing is mounted at %s; device %s is the volume's and unused", staged.StagingPath, staged.Device)
 	}
 	if !bound {
-		return broken("%s holds %s (%s), and the recorded device %q is not bound to the volume's image", staged.StagingPath, m.Source, m.FSType, staged.Device)
+		return broken("%s holds %s (%s), and the recorded device %q is not the volume's", staged.StagingPath, m.Source, m.FSType, staged.Device)
 	}
 	major, minor, err := mounts.DeviceNumbers(staged.Device)
 	if err != nil {
 		return backend.StageCheck{}, status.Errorf(codes.Internal, "inspecting %s: %v", staged.Device, err)
 	}
 	if m.Major != major || m.Minor != minor || m.Root != "/" {
-		return broken("%s holds %s (%s, device %d:%d), not the filesystem of the volume's loop device %s", staged.StagingPath, m.Source, m.FSType, m.Major, m.Minor, staged.Device)
+		return broken("%s holds %s (%s, device %d:%d), not the filesystem of the volume's device %s", staged.StagingPath, m.Source, m.FSType, m.Major, m.Minor, staged.Device)
 	}
 	return backend.StageCheck{State: backend.StageIntact}, nil
 }
@@ -626,20 +672,28 @@ func (n *Node) deviceUsers(dev string) ([]string, error) {
 // Owns reports whether m is a mount of volume id: a filesystem on, or a
 // bind mount of the node of, a loop device bound to the volume's image.
 func (n *Node) Owns(ctx context.Context, id volumeid.ID, m *mounts.Mount) (bool, error) {
+	name := strings.TrimPrefix(m.Root, "/")
+	if !mounts.IsDeviceNodeBind(m, name) || strings.Contains(name, "/") {
+		var err error
+		if name, err = mounts.BlockDeviceName(m.Major, m.Minor); err != nil {
+			return false, status.Errorf(codes.Internal, "inspecting the mount at %s: %v", m.Mountpoint, err)
+		}
+	}
+	if name == "" {
+		return false, nil
+	}
+	if n.overISCSI(id, nil) {
+		ours, err := n.ownsDisk(id, name)
+		if err != nil {
+			return false, status.Errorf(codes.Internal, "inspecting /dev/%s: %v", name, err)
+		}
+		return ours, nil
+	}
 	_, image, err := n.locate(id)
 	if err != nil {
 		return false, err
 	}
-	dev := ""
-	if name := strings.TrimPrefix(m.Root, "/"); strings.HasPrefix(name, "loop") && mounts.IsDeviceNodeBind(m, name) {
-		dev = "/dev/" + name
-	} else {
-		name, err := mounts.BlockDeviceName(m.Major, m.Minor)
-		if err != nil {
-			return false, status.Errorf(codes.Internal, "inspecting the mount at %s: %v", m.Mountpoint, err)
-		}
-		dev = "/dev/" + name
-	}
+	dev := "/dev/" + name
 	if !loop.ValidDevice(dev) {
 		return false, nil
 	}
@@ -669,7 +723,14 @@ func (n *Node) ReadOnlyDevice(ctx context.Context, staged *backend.Staged, devic
 	if err != nil {
 		return status.Errorf(codes.InvalidArgument, "staged volume id: %v", err)
 	}
-	_, image, err := n.locate(id)
+	var image string
+	if n.overISCSI(id, staged.Transport) {
+		// A read-only loop device over the disk: the disk's own flag is
+		// the stage's, which other publishes of it write through.
+		image, err = n.diskOfStage(id, staged)
+	} else {
+		_, image, err = n.locate(id)
+	}
 	if err != nil {
 		return err
 	}
@@ -682,12 +743,15 @@ func (n *Node) ReadOnlyDevice(ctx context.Context, staged *backend.Staged, devic
 // ReleaseDevice detaches a device ReadOnlyDevice made, if it is still bound
 // to the volume's image (a device since reused for another image stays).
 func (n *Node) ReleaseDevice(ctx context.Context, id volumeid.ID, device string) error {
+	if !loop.ValidDevice(device) {
+		return status.Errorf(codes.Internal, "%q is not a loop device; refusing to touch it", device)
+	}
+	if n.overISCSI(id, nil) {
+		return n.releaseDiskView(ctx, id, device)
+	}
 	_, image, err := n.locate(id)
 	if err != nil {
 		return err
-	}
-	if !loop.ValidDevice(device) {
-		return status.Errorf(codes.Internal, "%q is not a loop device; refusing to touch it", device)
 	}
 	if _, err := loop.DetachIfBackedBy(ctx, device, image); err != nil {
 		return status.Errorf(codes.Internal, "detaching %s: %v", device, err)
@@ -700,6 +764,9 @@ func (n *Node) ReleaseDevice(ctx context.Context, id volumeid.ID, device string)
 // the volume's image (a publish interrupted before binding it, or a device
 // since reused) is left alone and reported as not refreshed.
 func (n *Node) RefreshDevice(ctx context.Context, id volumeid.ID, device string) (bool, error) {
+	if n.overISCSI(id, nil) {
+		return false, status.Errorf(codes.FailedPrecondition, "volume %s is reached over iSCSI, which does not grow volumes yet", id)
+	}
 	_, image, err := n.locate(id)
 	if err != nil {
 		return false, err

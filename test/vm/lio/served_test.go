@@ -36,23 +36,28 @@ type targetRole struct {
 }
 
 // start runs the role in the background in the target VM (its log on the
-// host, through 9p) and waits until its API answers.
+// host, through 9p), waits until its API answers and takes its lease, as a
+// controller does.
 func (r *targetRole) start() *remote.Client {
 	r.e.t.Helper()
-	script := `"$@" >> "$LOG" 2>&1 < /dev/null & echo $! > "$LOG.pid"`
-	args := append([]string{"-c", script, "sh"}, r.args...)
-	if out, code, err := r.e.vm.Run(r.e.ctx, "env", append([]string{"LOG=" + r.log, "sh"}, args...)...); err != nil || code != 0 {
-		r.e.t.Fatalf("starting the target role: exit %d, %v: %s", code, err, out)
+	c := r.launch()
+	if err := c.Hold(r.e.ctx, "test-controller", func(string) {}); err != nil {
+		r.e.t.Fatal(err)
 	}
+	return c
+}
+
+// launch runs the role and returns a client once its API answers,
+// without taking the lease (for a controller process to take).
+func (r *targetRole) launch() *remote.Client {
+	r.e.t.Helper()
+	runInVM(r.e.t, r.e.ctx, r.e.vm, r.log, r.args...)
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		ctx, cancel := context.WithTimeout(r.e.ctx, 5*time.Second)
 		c, err := remote.Dial(ctx, r.api)
 		cancel()
 		if err == nil {
-			if err := c.Hold(r.e.ctx, "test-controller", func(string) {}); err != nil {
-				r.e.t.Fatal(err)
-			}
 			return c
 		}
 		if time.Now().After(deadline) {
@@ -64,10 +69,24 @@ func (r *targetRole) start() *remote.Client {
 }
 
 // kill ends the role with SIGKILL, as a crash would.
-func (r *targetRole) kill() {
-	r.e.t.Helper()
-	if out, code, err := r.e.vm.Run(r.e.ctx, "sh", "-c", `kill -9 "$(cat "$1")"; while kill -0 "$(cat "$1")" 2>/dev/null; do sleep 0.1; done`, "sh", r.log+".pid"); err != nil || code != 0 {
-		r.e.t.Fatalf("killing the target role: exit %d, %v: %s", code, err, out)
+func (r *targetRole) kill() { r.e.t.Helper(); killInVM(r.e.t, r.e.ctx, r.e.vm, r.log) }
+
+// runInVM runs args in the background in vm, its output appended to log
+// (a host path, which the VM sees through 9p) and its PID in log.pid.
+func runInVM(t *testing.T, ctx context.Context, vm *vmtest.VM, log string, args ...string) {
+	t.Helper()
+	script := `"$@" >> "$LOG" 2>&1 < /dev/null & echo $! > "$LOG.pid"`
+	if out, code, err := vm.Run(ctx, "env", append([]string{"LOG=" + log, "sh", "-c", script, "sh"}, args...)...); err != nil || code != 0 {
+		t.Fatalf("starting %s in %s: exit %d, %v: %s", filepath.Base(args[0]), vm.Name, code, err, out)
+	}
+}
+
+// killInVM sends SIGKILL to what runInVM started with log, by its PID,
+// and waits until it is gone.
+func killInVM(t *testing.T, ctx context.Context, vm *vmtest.VM, log string) {
+	t.Helper()
+	if out, code, err := vm.Run(ctx, "sh", "-c", `kill -9 "$(cat "$1")"; while kill -0 "$(cat "$1")" 2>/dev/null; do sleep 0.1; done`, "sh", log+".pid"); err != nil || code != 0 {
+		t.Fatalf("killing %s in %s: exit %d, %v: %s", log, vm.Name, code, err, out)
 	}
 }
 
@@ -139,15 +158,15 @@ func TestTargetRoleServesAttachmentsOverISCSI(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if vol.Context[served.ContextTransport] != served.TransportISCSI || vol.Context[served.ContextPortal] != e.portal ||
-		vol.Context[served.ContextSerial] != served.Serial(id) || !strings.HasPrefix(vol.Context[served.ContextTarget], prefix+":") {
+	if vol.Context[iscsi.ContextTransport] != iscsi.TransportName || vol.Context[iscsi.ContextPortal] != e.portal ||
+		vol.Context[iscsi.ContextSerial] != served.Serial(id) || !strings.HasPrefix(vol.Context[iscsi.ContextTarget], prefix+":") {
 		t.Fatalf("the volume context does not say how to reach the volume: %v", vol.Context)
 	}
 	target := func(i lio.Initiator, user string) iscsi.Target {
-		return iscsi.Target{IQN: vol.Context[served.ContextTarget], Portal: netip.MustParseAddrPort(e.portal), User: user, Secret: i.Secret}
+		return iscsi.Target{IQN: vol.Context[iscsi.ContextTarget], Portal: netip.MustParseAddrPort(e.portal), User: user, Secret: i.Secret}
 	}
 	login := func(vm *vmtest.VM, tg iscsi.Target) (iscsi.Disk, string, int) {
-		return e.loginTo(vm, tg, vol.Context[served.ContextSerial])
+		return e.loginTo(vm, tg, vol.Context[iscsi.ContextSerial])
 	}
 	set := func(list ...accessmode.Attachment) {
 		t.Helper()
@@ -193,7 +212,7 @@ func TestTargetRoleServesAttachmentsOverISCSI(t *testing.T) {
 		if got := readBlock(e, b, diskB.Device, 0); !filled(got, 'A') {
 			t.Fatalf("B reads %q, not A's write", got[:16])
 		}
-		e.logoutOf(b, vol.Context[served.ContextTarget])
+		e.logoutOf(b, vol.Context[iscsi.ContextTarget])
 	})
 
 	var diskB iscsi.Disk
@@ -216,7 +235,7 @@ func TestTargetRoleServesAttachmentsOverISCSI(t *testing.T) {
 		if out, code := writeBlock(e, b, diskB.Device, 3, 'B'); code != 0 {
 			t.Fatalf("B writing: exit %d: %s", code, out)
 		}
-		e.logoutOf(a, vol.Context[served.ContextTarget])
+		e.logoutOf(a, vol.Context[iscsi.ContextTarget])
 		if _, out, code := login(a, target(nodeA, "node-a")); code == 0 || !strings.Contains(out, iscsi.ErrLoginRefused.Error()) {
 			t.Fatalf("A logged in again after its detach: exit %d: %s", code, out)
 		}
@@ -243,7 +262,7 @@ func TestTargetRoleServesAttachmentsOverISCSI(t *testing.T) {
 		role.kill()
 		// As after a reboot of the target's host: LIO forgot the volume,
 		// and B's session is lost.
-		lun := strings.TrimPrefix(vol.Context[served.ContextTarget], prefix+":")
+		lun := strings.TrimPrefix(vol.Context[iscsi.ContextTarget], prefix+":")
 		e.target("unexport", lun)
 		ctrl = role.start()
 		e.wantAccessList(lun, lio.Initiator{IQN: nodeB.IQN})
@@ -263,15 +282,15 @@ func TestTargetRoleServesAttachmentsOverISCSI(t *testing.T) {
 	})
 
 	t.Run("delete leaves nothing", func(t *testing.T) {
-		e.logoutOf(b, vol.Context[served.ContextTarget])
+		e.logoutOf(b, vol.Context[iscsi.ContextTarget])
 		if _, err := ctrl.SetAttachments(e.ctx, id, nil); err != nil {
 			t.Fatal(err)
 		}
 		if err := ctrl.DeleteVolume(e.ctx, id); err != nil {
 			t.Fatal(err)
 		}
-		glob := fmt.Sprintf("ls -d %[1]s/iscsi/%[2]s %[1]s/core/*/%[3]s 2>/dev/null", lio.DefaultRoot, vol.Context[served.ContextTarget],
-			strings.TrimPrefix(vol.Context[served.ContextTarget], prefix+":"))
+		glob := fmt.Sprintf("ls -d %[1]s/iscsi/%[2]s %[1]s/core/*/%[3]s 2>/dev/null", lio.DefaultRoot, vol.Context[iscsi.ContextTarget],
+			strings.TrimPrefix(vol.Context[iscsi.ContextTarget], prefix+":"))
 		if out, _, err := e.vm.Run(e.ctx, "sh", "-c", glob); err != nil || strings.TrimSpace(out) != "" {
 			t.Errorf("left in configfs after DeleteVolume: %q (%v)", out, err)
 		}

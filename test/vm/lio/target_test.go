@@ -65,14 +65,18 @@ func requireQemuIO(t *testing.T) {
 
 // setup starts the target VM and nodes node VMs, and makes the volume's
 // image on the target.
-func setup(t *testing.T, nodes int) *env {
+func setup(t *testing.T, nodes int) *env { return setupWith(t, nodes, "") }
+
+// setupWith is setup with the modeguard binary bin for the node VMs'
+// node plugins (vmtest.VM.StartPlugin).
+func setupWith(t *testing.T, nodes int, bin string) *env {
 	testenv.RequireRoot(t)
 	tool := filepath.Join(t.TempDir(), "iscsitool")
 	build := exec.Command("go", "build", "-race", "-o", tool, "github.com/modeguard/modeguard/test/vm/iscsitool")
 	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("building iscsitool: %v\n%s", err, out)
 	}
-	c := vmtest.Start(t, vmtest.Options{VMs: 1 + nodes, Prefix: "mgl", NodeDiskMB: 256})
+	c := vmtest.Start(t, vmtest.Options{VMs: 1 + nodes, Prefix: "mgl", NodeDiskMB: 256, Binary: bin})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	t.Cleanup(cancel)
 	vm := c.VMs[0]

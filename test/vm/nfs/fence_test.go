@@ -1,8 +1,6 @@
 package nfs
 
 import (
-	"context"
-	"fmt"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -15,10 +13,6 @@ import (
 	"github.com/modeguard/modeguard/test/vm/agentapi"
 	"github.com/modeguard/modeguard/test/vm/vmtest"
 )
-
-// fenceLine is the n-th record the writer on the fenced node appends: fixed
-// width, so record n starts at n*len(fenceLine(0)).
-func fenceLine(n int) string { return fmt.Sprintf("record %06d\n", n) }
 
 // TestKernelNFSFenceOfAMountedClient: a node (vm1) has a single-writer
 // volume mounted, holds an fcntl write lock on a file and keeps appending to
@@ -47,113 +41,36 @@ func TestKernelNFSFenceOfAMountedClient(t *testing.T) {
 	t.Run("fence-writer-of-many", func(t *testing.T) { fenceWriterOfMany(t, e) })
 }
 
-// fencedWriter is vm1 writing records through a process that holds a write
-// lock on the whole journal, fenced while it writes.
-type fencedWriter struct {
-	holder   *vmtest.LockHolder
-	acked    int   // records whose write and fsync succeeded, in order
-	inFlight error // how the write in flight at the fence ended
-	fencedAt time.Time
-}
-
 // writeUntilFenced starts the lock holder on vm1, has it write and fsync
 // records, and while it goes on sends ControllerUnpublishVolume for vm1
 // with no node call before it. beforeFence, when set, runs once the first
 // records are fsync'd. It fails the test if a write that starts after the
 // answer succeeds.
-func writeUntilFenced(t *testing.T, e *env, v *volume, path string, beforeFence func()) *fencedWriter {
-	ctx := e.ctx
-	holder, err := e.vm("vm1").HoldLock(ctx, path, 0, 1<<20)
+func writeUntilFenced(t *testing.T, e *env, v *volume, path string, beforeFence func()) *vmtest.FencedWriter {
+	holder, err := e.vm("vm1").HoldLock(e.ctx, path, 0, 1<<20)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("vm1: pid %d holds a write lock on %s", holder.PID, filepath.Base(path))
-	w := &fencedWriter{holder: holder}
-	write := func(n int) error {
-		wctx, cancel := context.WithTimeout(ctx, time.Minute)
-		defer cancel()
-		line := fenceLine(n)
-		return holder.Write(wctx, int64(n*len(line)), []byte(line))
+	w, err := vmtest.WriteThroughFence(e.ctx, holder, beforeFence, func() error {
+		t.Log("the CO force-detaches vm1: ControllerUnpublishVolume, no node call")
+		_, err := e.ctrl.CSI.ControllerUnpublishVolume(e.ctx, &csi.ControllerUnpublishVolumeRequest{
+			VolumeId: v.v.GetVolumeId(), NodeId: e.nodeID("vm1")})
+		return err
+	})
+	if err != nil {
+		t.Fatalf("vm1: %v", err)
 	}
-	for n := range 3 {
-		if err := write(n); err != nil {
-			t.Fatalf("vm1 writing record %d before the fence: %v", n, err)
-		}
-	}
-	if beforeFence != nil {
-		beforeFence()
-	}
-	type result struct {
-		acked  int
-		failed error
-	}
-	stop := make(chan struct{})
-	done := make(chan result, 1)
-	go func() {
-		n := 3
-		for {
-			select {
-			case <-stop:
-				done <- result{acked: n}
-				return
-			default:
-			}
-			if err := write(n); err != nil {
-				done <- result{acked: n, failed: err}
-				return
-			}
-			n++
-		}
-	}()
-	time.Sleep(time.Second) // a few records under way
-
-	t.Log("the CO force-detaches vm1: ControllerUnpublishVolume, no node call")
-	if _, err := e.ctrl.CSI.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{
-		VolumeId: v.v.GetVolumeId(), NodeId: e.nodeID("vm1")}); err != nil {
-		t.Fatalf("ControllerUnpublish of vm1: %v", err)
-	}
-	w.fencedAt = time.Now()
-	close(stop)
-	select {
-	case r := <-done:
-		w.acked, w.inFlight = r.acked, r.failed
-	case <-time.After(2 * time.Minute):
-		t.Fatal("vm1's write in flight at the fence neither finished nor failed within 2 minutes")
-	}
-	t.Logf("records fsync'd by vm1: %d; the write in flight at the fence: %v", w.acked, w.inFlight)
-	if err := write(w.acked); err == nil {
-		t.Fatalf("vm1 wrote and fsync'd record %d after ControllerUnpublishVolume answered", w.acked)
-	} else {
-		t.Logf("vm1's write+fsync after the fence: %v", err)
-	}
+	t.Logf("records fsync'd by vm1: %d; the write in flight at the fence: %v", w.Acked, w.InFlight)
 	return w
-}
-
-// checkJournal fails the test unless got is exactly the records vm1
-// fsync'd, or those and the one whose fsync failed at the fence (it may
-// have reached the server just before).
-func (w *fencedWriter) checkJournal(t *testing.T, got []byte) {
-	t.Helper()
-	var want strings.Builder
-	for n := range w.acked {
-		want.WriteString(fenceLine(n))
-	}
-	switch {
-	case string(got) == want.String():
-	case w.inFlight != nil && string(got) == want.String()+fenceLine(w.acked):
-		t.Logf("record %d, whose fsync failed at the fence, reached the server before it", w.acked)
-	default:
-		t.Fatalf("the journal holds %d bytes ending %q; want the %d records vm1 fsync'd (%d bytes)",
-			len(got), tail(string(got), 40), w.acked, want.Len())
-	}
 }
 
 // cleanUpFenced is vm1 coming back: its lock holder goes, then the CO's
 // NodeUnpublish, NodeUnstage and (again) ControllerUnpublish all succeed,
 // and vm1 mounts nothing of the volume any more.
-func cleanUpFenced(t *testing.T, e *env, v *volume, w *fencedWriter, pod string) {
+func cleanUpFenced(t *testing.T, e *env, v *volume, w *vmtest.FencedWriter, pod string) {
 	t.Helper()
-	if err := w.holder.Release(e.ctx); err != nil {
+	if err := w.Holder.Release(e.ctx); err != nil {
 		t.Logf("vm1's lock holder letting go after the fence: %v", err)
 	}
 	v.stop("vm1", pod)
@@ -184,14 +101,16 @@ func fenceSingleNode(t *testing.T, e *env, name string, otherVolume bool) {
 		t.Fatal(err)
 	}
 	if tl.Outcome != agentapi.LockAcquired {
-		t.Fatalf("vm2 cannot take the lock vm1 held before the fence (%s after it): %+v", time.Since(w.fencedAt).Round(time.Second), tl)
+		t.Fatalf("vm2 cannot take the lock vm1 held before the fence (%s after it): %+v", time.Since(w.FencedAt).Round(time.Second), tl)
 	}
-	t.Logf("vm2 took the lock %s after the fence", time.Since(w.fencedAt).Round(100*time.Millisecond))
+	t.Logf("vm2 took the lock %s after the fence", time.Since(w.FencedAt).Round(100*time.Millisecond))
 	got, err := vm2.ReadFile(ctx, path2)
 	if err != nil {
 		t.Fatal(err)
 	}
-	w.checkJournal(t, got)
+	if err := w.CheckJournal(got, 0); err != nil {
+		t.Fatal(err)
+	}
 	v.mustWrite("vm2", "app", "after", "vm2 writes after the fence\n")
 	if other != nil {
 		// Another export of the same server: untouched by the fence.
@@ -234,7 +153,7 @@ func fenceWriterOfMany(t *testing.T, e *env) {
 			t.Fatalf("the reader's read lock while the writer holds its write lock: %+v, want denied", r)
 		}
 		got, err := vm2.ReadFile(ctx, path2)
-		if err != nil || !strings.HasPrefix(string(got), fenceLine(0)) {
+		if err != nil || !strings.HasPrefix(string(got), vmtest.FenceRecord(0)) {
 			t.Fatalf("the reader does not see the writer's first records: %q, %v", tail(string(got), 40), err)
 		}
 	})
@@ -246,14 +165,16 @@ func fenceWriterOfMany(t *testing.T, e *env) {
 	}
 	if r.Outcome != agentapi.LockAcquired {
 		t.Fatalf("the reader cannot read-lock what the fenced writer held (%s after the fence): %+v",
-			time.Since(w.fencedAt).Round(time.Second), r)
+			time.Since(w.FencedAt).Round(time.Second), r)
 	}
-	t.Logf("the reader read-locked the journal %s after the fence", time.Since(w.fencedAt).Round(100*time.Millisecond))
+	t.Logf("the reader read-locked the journal %s after the fence", time.Since(w.FencedAt).Round(100*time.Millisecond))
 	got, err := vm2.ReadFile(ctx, path2)
 	if err != nil {
 		t.Fatalf("the reader's mount after the writer's fence: %v", err)
 	}
-	w.checkJournal(t, got)
+	if err := w.CheckJournal(got, 0); err != nil {
+		t.Fatal(err)
+	}
 	v.mustNotWrite("vm2", "reader", "journal")
 	cleanUpFenced(t, e, v, w, "app")
 	v.stop("vm2", "reader")

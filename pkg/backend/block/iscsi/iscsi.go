@@ -259,27 +259,9 @@ func (in *Initiator) FindDisk(target string, portal netip.AddrPort, serial strin
 		return Disk{}, fmt.Errorf("this node has %d sessions to %s at %s; there should be one", len(sessions), target, portal)
 	}
 	s := sessions[0]
-	blocks, err := filepath.Glob(in.sysfs("class", "iscsi_session", fmt.Sprintf("session%d", s.ID), "device", "target*", "*", "block", "*"))
+	found, err := in.disksOf(s, serial)
 	if err != nil {
 		return Disk{}, err
-	}
-	var found []Disk
-	for _, block := range blocks {
-		scsiDevice := filepath.Dir(filepath.Dir(block))
-		vpd, err := os.ReadFile(filepath.Join(scsiDevice, "vpd_pg80"))
-		if err != nil {
-			continue // a LUN without a unit serial is not a volume of ours
-		}
-		got, err := parseUnitSerial(vpd)
-		if err != nil || got != serial {
-			continue
-		}
-		d, err := in.describe(block)
-		if err != nil {
-			return Disk{}, err
-		}
-		d.Serial, d.Session = got, s.ID
-		found = append(found, d)
 	}
 	switch len(found) {
 	case 0:
@@ -398,7 +380,7 @@ func (in *Initiator) Logout(ctx context.Context, target string, portal netip.Add
 // asks the target to make it durable (fsync of a block device flushes
 // the device's write cache too).
 func (in *Initiator) flush(s Session) error {
-	blocks, err := filepath.Glob(in.sysfs("class", "iscsi_session", fmt.Sprintf("session%d", s.ID), "device", "target*", "*", "block", "*"))
+	blocks, err := filepath.Glob(in.diskGlob(s))
 	if err != nil {
 		return err
 	}

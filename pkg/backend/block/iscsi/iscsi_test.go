@@ -184,6 +184,13 @@ func (f *fakeSysfs) disk(n, lun int, name, serial string, minor uint32, sectors 
 	}
 	f.write(filepath.Join(block, "ro"), roFlag)
 	f.write(filepath.Join(block, "dev"), fmt.Sprintf("8:%d", minor))
+	// The kernel's links from the block class and back to the SCSI device.
+	f.mkdir(filepath.Join(f.sys, "class", "block"))
+	for link, to := range map[string]string{filepath.Join(f.sys, "class", "block", name): block, filepath.Join(block, "device"): scsi} {
+		if err := os.Symlink(to, link); err != nil {
+			f.t.Fatal(err)
+		}
+	}
 	if err := unix.Mknod(filepath.Join(f.dev, name), unix.S_IFBLK|0o600, int(unix.Mkdev(8, minor))); err != nil {
 		f.t.Fatal(err)
 	}
@@ -268,5 +275,67 @@ func TestWaitDiskGivesUpWithWhatItSawInAFakeSysfs(t *testing.T) {
 	_, err := in.WaitDisk(ctx, targetA, netip.MustParseAddrPort(portal), serialA)
 	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "session 1") {
 		t.Fatalf("got %v, want a deadline naming the session it saw", err)
+	}
+}
+
+// Without a record of the target, a volume's disks are found among all
+// sessions by serial, each with the session it is behind; a disk's serial
+// is read from its name.
+func TestDisksWithSerialLooksBehindEverySessionInAFakeSysfs(t *testing.T) {
+	f := newFakeSysfs(t)
+	f.session(1, targetB, portal, "LOGGED_IN")
+	f.disk(1, 0, "sda", serialB, 0, 2048, false)
+	f.session(4, targetA, portal, "FAILED")
+	f.disk(4, 0, "sdd", serialA, 48, 2048, false)
+	in := &Initiator{Sysfs: f.sys, Dev: f.dev}
+	disks, sessions, err := in.DisksWithSerial(serialA)
+	if err != nil || len(disks) != 1 || disks[0].Device != filepath.Join(f.dev, "sdd") || sessions[0].ID != 4 ||
+		sessions[0].Target != targetA || sessions[0].State != "FAILED" {
+		t.Fatalf("DisksWithSerial = %+v, %+v, %v", disks, sessions, err)
+	}
+	if disks, _, err := in.DisksWithSerial("00000000000000000000000000000000"); err != nil || len(disks) != 0 {
+		t.Fatalf("an unknown serial: %+v, %v", disks, err)
+	}
+	for name, want := range map[string]string{"sda": serialB, "sdd": serialA, "sdz": "", "../sda": "", "": ""} {
+		if got := in.SerialOf(name); got != want {
+			t.Errorf("SerialOf(%q) = %q, want %q", name, got, want)
+		}
+	}
+}
+
+func TestVolumeFromContext(t *testing.T) {
+	const id = "block_zone-a_vol-1"
+	good := Volume{Target: targetA, Portal: netip.MustParseAddrPort(portal), Serial: VolumeSerial(id)}
+	with := func(k, v string) map[string]string {
+		c := good.Context()
+		c[k] = v
+		return c
+	}
+	for _, tc := range []struct {
+		name   string
+		ctx    map[string]string
+		ok     bool
+		reject string // "" for accepted
+	}{
+		{"not iSCSI", map[string]string{"fsType": "ext4"}, false, ""},
+		{"iSCSI", good.Context(), true, ""},
+		{"another transport", with(ContextTransport, "nvme-tcp"), true, "the only network transport"},
+		{"target not an IQN", with(ContextTarget, "vol-1"), true, "not an IQN"},
+		{"portal without port", with(ContextPortal, "10.0.0.1"), true, "not an address and port"},
+		{"portal port 0", with(ContextPortal, "10.0.0.1:0"), true, "not an address and port"},
+		{"another volume's serial", with(ContextSerial, VolumeSerial("block_zone-a_vol-2")), true, "is not volume " + id},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			v, ok, err := FromContext(id, tc.ctx)
+			if ok != tc.ok || (tc.reject == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), tc.reject)) {
+				t.Fatalf("FromContext = %+v, %v, %v; want ok=%v, rejection %q", v, ok, err, tc.ok, tc.reject)
+			}
+			if tc.ok && tc.reject == "" && v != good {
+				t.Fatalf("FromContext = %+v, want %+v", v, good)
+			}
+		})
+	}
+	if s := VolumeSerial(id); !ValidSerial(s) || s == VolumeSerial(id+"x") {
+		t.Fatalf("VolumeSerial(%s) = %q: not a serial, or not distinct", id, s)
 	}
 }

@@ -8,7 +8,7 @@
 //
 // A volume's target name, portal and unit serial are derived from its id
 // and the target's configuration, never stored, and travel to the node in
-// the volume context (ContextTarget, ContextPortal, ContextSerial): the
+// the volume context (package iscsi: FromContext): the
 // node logs in with the CHAP secret of its own name and finds the disk by
 // the serial.
 //
@@ -30,6 +30,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"maps"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -47,18 +48,6 @@ import (
 	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
-
-// The volume context keys a node reads the iSCSI target from.
-const (
-	ContextTransport = "transport" // "iscsi"
-	ContextTarget    = "iscsiTarget"
-	ContextPortal    = "iscsiPortal"
-	ContextSerial    = "iscsiSerial"
-)
-
-// TransportISCSI is ContextTransport's value for a volume served over
-// iSCSI.
-const TransportISCSI = "iscsi"
 
 // DefaultPrefix names the targets when the configuration names none.
 const DefaultPrefix = "iqn.2026-11.dev.csi.modeguard"
@@ -135,12 +124,8 @@ func lunName(id volumeid.ID) string {
 	return "mg-" + hex.EncodeToString(sum[:])[:24]
 }
 
-// Serial is the volume's unit serial: 32 hex digits of a hash of its id,
-// unique in the 25 LIO makes the disk's world-wide name of.
-func Serial(id volumeid.ID) string {
-	sum := sha256.Sum256([]byte("serial\x00" + id.String()))
-	return hex.EncodeToString(sum[:])[:32]
-}
+// Serial is the volume's unit serial (iscsi.VolumeSerial).
+func Serial(id volumeid.ID) string { return iscsi.VolumeSerial(id.String()) }
 
 // withContext adds what a node needs to reach v.
 func (c *Controller) withContext(v *backend.Volume) *backend.Volume {
@@ -154,10 +139,7 @@ func (c *Controller) withContext(v *backend.Volume) *backend.Volume {
 	if v.Context == nil {
 		v.Context = map[string]string{}
 	}
-	v.Context[ContextTransport] = TransportISCSI
-	v.Context[ContextTarget] = c.target.IQN(lunName(id))
-	v.Context[ContextPortal] = c.portal.String()
-	v.Context[ContextSerial] = Serial(id)
+	maps.Copy(v.Context, iscsi.Volume{Target: c.target.IQN(lunName(id)), Portal: c.portal, Serial: Serial(id)}.Context())
 	return v
 }
 
