@@ -56,6 +56,9 @@ type Controller struct {
 	reserved map[string]int64
 	// copies are the snapshots still being copied, by id (under mu).
 	copies map[string]*copyJob
+	// writers, when set, says who may write an image in place of the loop
+	// devices bound to it (SetWriters).
+	writers func(id volumeid.ID, image string) (string, error)
 
 	// mounter replays the journal of copied filesystems (replayJournal).
 	mounter *mount.SafeFormatAndMount
@@ -679,6 +682,13 @@ func (c *Controller) ExpandVolume(ctx context.Context, id volumeid.ID, bytes int
 		return true, nil
 	})
 }
+
+// SetWriters makes f the judge of who may be writing a volume's image
+// (besides its read-write attachments) before a byte copy of it, in place
+// of the loop devices bound to it here: where a storage target serves the
+// images, its own device under each one is a conduit, always read/write,
+// and the writers are whom the target lets write. Call it before serving.
+func (c *Controller) SetWriters(f func(id volumeid.ID, image string) (string, error)) { c.writers = f }
 
 // ListVolumes returns copies of every volume, sorted by id.
 func (c *Controller) ListVolumes(ctx context.Context) ([]*backend.Volume, error) {

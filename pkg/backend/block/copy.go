@@ -182,7 +182,7 @@ func (c *Controller) cloneOrVet(vol *backend.Volume, image, dst string) (cloned 
 	if !errors.Is(err, errNoReflink) {
 		return false, status.Errorf(codes.Internal, "cloning the image of %s: %v", vol.ID, err)
 	}
-	if writer, err := writerOf(vol, image); err != nil {
+	if writer, err := c.writerOf(vol, image); err != nil {
 		return false, status.Errorf(codes.Unavailable, "cannot tell whether volume %s is being written, so it is not copied (its pool has no reflinks): %v", vol.ID, err)
 	} else if writer != "" {
 		return false, status.Errorf(codes.FailedPrecondition,
@@ -195,12 +195,20 @@ func (c *Controller) cloneOrVet(vol *backend.Volume, image, dst string) (cloned 
 // writerOf says who may be writing a volume's image, or "" if nobody can:
 // the controller's record of read-write attachments, and what the kernel
 // here knows (a loop device bound read-write to the image, whatever the
-// record says).
-func writerOf(vol *backend.Volume, image string) (string, error) {
+// record says; or, where the images are served (SetWriters), whoever the
+// server lets write).
+func (c *Controller) writerOf(vol *backend.Volume, image string) (string, error) {
 	for _, a := range vol.Attachments {
 		if !a.ReadOnly {
 			return "attached read-write to node " + a.Node(), nil
 		}
+	}
+	if c.writers != nil {
+		id, err := volumeid.Parse(vol.ID)
+		if err != nil {
+			return "", err
+		}
+		return c.writers(id, image)
 	}
 	devs, err := loop.DevicesOf(image)
 	if err != nil {

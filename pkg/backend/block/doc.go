@@ -80,8 +80,23 @@
 // volume from the kernel's LIO iSCSI target, package served keeps each
 // volume's access list equal to its attachments on a storage target
 // (--roles target), and package iscsi logs the node in with open-iscsi and
-// finds the volume's disk by its session and serial (the node plugin does
-// not use it yet).
+// finds the volume's disk by its session and serial.
+//
+// The node tells the two apart by the volume context: a volume a target
+// serves over iSCSI says so (transport=iscsi, with its target, portal and
+// serial), and Node stages it with a login rather than a loop device
+// (node_iscsi.go). The target enforces who may reach it, so the node
+// checks the disk it got instead: found by the serial derived from the
+// volume id, at least the size in the publish context, and write-protected
+// exactly when the attachment is read-only. A read-only stage of a
+// writable attachment sets the disk's kernel read-only flag; a read-only
+// raw block publish of a read/write stage gets a read-only loop device over
+// the disk, as over an image. Every later question (unstage, check,
+// health, whether a mount is the volume's) is answered from the kernel's
+// sessions and the disks' serials, so a session a crash left is found and
+// ended, and a stage a reboot lost is seen as gone. The target serves each
+// image through a loop device of its own, so that an expansion (image,
+// then device) reaches the nodes at their rescan.
 //
 // iSCSI through LIO was chosen over NVMe over TCP for what the access
 // modes need at the server:

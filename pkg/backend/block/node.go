@@ -454,7 +454,7 @@ func (n *Node) Expand(ctx context.Context, staged *backend.Staged) (int64, error
 		return 0, status.Errorf(codes.InvalidArgument, "staged volume id: %v", err)
 	}
 	if n.overISCSI(id, staged.Transport) {
-		return 0, status.Errorf(codes.FailedPrecondition, "volume %s is reached over iSCSI, which does not grow volumes yet", id)
+		return n.expandISCSI(ctx, id, staged)
 	}
 	p, image, err := n.locate(id)
 	if err != nil {
@@ -765,7 +765,7 @@ func (n *Node) ReleaseDevice(ctx context.Context, id volumeid.ID, device string)
 // since reused) is left alone and reported as not refreshed.
 func (n *Node) RefreshDevice(ctx context.Context, id volumeid.ID, device string) (bool, error) {
 	if n.overISCSI(id, nil) {
-		return false, status.Errorf(codes.FailedPrecondition, "volume %s is reached over iSCSI, which does not grow volumes yet", id)
+		return n.refreshDiskView(ctx, id, device)
 	}
 	_, image, err := n.locate(id)
 	if err != nil {

@@ -400,3 +400,52 @@ func (n *Node) releaseDiskView(ctx context.Context, id volumeid.ID, device strin
 	}
 	return nil
 }
+
+// expandISCSI has the kernel read the disk's capacity again (the target
+// grew the volume) and, for a read/write mount, grows the filesystem into
+// it, as Expand does with a loop device.
+func (n *Node) expandISCSI(ctx context.Context, id volumeid.ID, staged *backend.Staged) (int64, error) {
+	if n.iscsi == nil {
+		return 0, status.Errorf(codes.FailedPrecondition, "volume %s was staged over iSCSI and this node plugin has no iSCSI initiator now", id)
+	}
+	disk, err := n.iscsiDisk(id, staged.Device)
+	if errors.Is(err, iscsi.ErrNoDisk) {
+		return 0, status.Errorf(codes.FailedPrecondition, "volume %s is not attached at %s any more; stage it again: %v", id, staged.Device, err)
+	}
+	if err != nil {
+		return 0, status.Errorf(codes.Internal, "inspecting volume %s's disk: %v", id, err)
+	}
+	if disk, err = n.iscsi.Initiator.Rescan(disk); err != nil {
+		return 0, status.Errorf(codes.Internal, "volume %s: %v", id, err)
+	}
+	if staged.AccessType != accessmode.Mount {
+		return disk.Size, nil
+	}
+	if staged.ReadOnly {
+		return 0, status.Errorf(codes.FailedPrecondition,
+			"volume %s is staged read-only on this node: its disk now has %d bytes, but a read-only filesystem cannot grow; "+
+				"it grows when the volume is next staged read/write", id, disk.Size)
+	}
+	if _, err := n.resizer.Resize(staged.Device, staged.StagingPath); err != nil {
+		return 0, status.Errorf(codes.Internal, "growing filesystem of volume %s: %v", id, err)
+	}
+	return disk.Size, nil
+}
+
+// refreshDiskView makes a read-only loop device over the volume's disk
+// pick up the disk's new size (after expandISCSI's rescan). A device that
+// is no longer over the volume's disk is left alone and reported as not
+// refreshed.
+func (n *Node) refreshDiskView(ctx context.Context, id volumeid.ID, device string) (bool, error) {
+	ours, err := n.ownsDisk(id, filepath.Base(device))
+	if err != nil {
+		return false, status.Errorf(codes.Internal, "inspecting %s: %v", device, err)
+	}
+	if !ours {
+		return false, nil
+	}
+	if err := loop.Refresh(ctx, device); err != nil {
+		return false, status.Errorf(codes.Internal, "refreshing size of %s: %v", device, err)
+	}
+	return true, nil
+}

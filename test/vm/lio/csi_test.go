@@ -43,15 +43,17 @@ type csiEnv struct {
 	// the nodes' I/O waits for a lost session.
 	secretFile  map[string]string
 	replacement string
+	pluginArgs  []string // more flags for the node plugins
 }
 
 // setupCSI starts it all with nodes node VMs, named as the VMs are, whose
-// I/O waits replacement for a lost session before it fails.
-func setupCSI(t *testing.T, nodes int, replacement string) *csiEnv {
+// I/O waits replacement for a lost session before it fails, and whose
+// node plugins get pluginArgs too.
+func setupCSI(t *testing.T, nodes int, replacement string, pluginArgs ...string) *csiEnv {
 	requireInitiatorTools(t)
 	bin := testenv.BuildBinary(t)
 	e := &csiEnv{env: setupWith(t, nodes, bin), plugins: map[string]csi.NodeClient{}, nodeID: map[string]string{},
-		secretFile: map[string]string{}, replacement: replacement}
+		secretFile: map[string]string{}, replacement: replacement, pluginArgs: pluginArgs}
 	dir := t.TempDir()
 	chap := filepath.Join(dir, "chap") // the target's CHAP Secret: a key per node
 	if err := os.Mkdir(chap, 0o700); err != nil {
@@ -130,8 +132,9 @@ func (e *csiEnv) startNode(vm *vmtest.VM) {
 	if err := vm.StartISCSIInitiator(e.ctx, "iqn.2026-11.io.modeguard.node:"+vm.Name); err != nil {
 		e.t.Fatal(err)
 	}
-	if err := vm.StartPlugin(e.ctx, "--iscsi-initiator-name-file", iscsi.InitiatorNameFile,
-		"--iscsi-chap-secret-file", e.secretFile[vm.Name], "--iscsi-replacement-timeout", e.replacement); err != nil {
+	args := append([]string{"--iscsi-initiator-name-file", iscsi.InitiatorNameFile,
+		"--iscsi-chap-secret-file", e.secretFile[vm.Name], "--iscsi-replacement-timeout", e.replacement}, e.pluginArgs...)
+	if err := vm.StartPlugin(e.ctx, args...); err != nil {
 		e.t.Fatal(err)
 	}
 }
@@ -274,6 +277,20 @@ func (v *csiVolume) image() string {
 		v.e.t.Fatalf("the target's pool holds %d images, want this test's one: %v", len(out), out)
 	}
 	return out[0]
+}
+
+// fsBytes is the size of the filesystem pod on node sees (statfs).
+func (v *csiVolume) fsBytes(node, pod string) int64 {
+	v.e.t.Helper()
+	out, code, err := v.e.node(node).Run(v.e.ctx, "stat", "-f", "-c", "%b %S", v.target(node, pod))
+	var blocks, size int64
+	if err != nil || code != 0 {
+		v.e.t.Fatalf("statfs of %s on %s: exit %d, %v: %s", pod, node, code, err, out)
+	}
+	if _, err := fmt.Sscanf(out, "%d %d", &blocks, &size); err != nil {
+		v.e.t.Fatalf("statfs of %s on %s: %q: %v", pod, node, out, err)
+	}
+	return blocks * size
 }
 
 // wantNoISCSI checks that node has no session and no node record left.
@@ -607,6 +624,25 @@ func TestCSIOverISCSISurvivesATargetRestartAndANodeReboot(t *testing.T) {
 	}
 	if err := w.CheckJournal(got, 0); err != nil {
 		t.Fatalf("after the reboot: %v", err)
+	}
+
+	// Online expansion: the target grows the image and its device, the
+	// node rescans its disk and grows the mounted filesystem.
+	before := v.fsBytes(a, "app")
+	if _, err := e.ctrl.CSI.ControllerExpandVolume(e.ctx, &csi.ControllerExpandVolumeRequest{VolumeId: v.id(),
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 128 << 20}, VolumeCapability: v.cap}); err != nil {
+		t.Fatalf("ControllerExpandVolume: %v", err)
+	}
+	resp, err := e.plugins[a].NodeExpandVolume(e.ctx, &csi.NodeExpandVolumeRequest{VolumeId: v.id(), VolumePath: v.target(a, "app"),
+		StagingTargetPath: v.staging(a), CapacityRange: &csi.CapacityRange{RequiredBytes: 128 << 20}, VolumeCapability: v.cap})
+	if err != nil || resp.GetCapacityBytes() != 128<<20 {
+		t.Fatalf("NodeExpandVolume: %v, %v", resp, err)
+	}
+	if after := v.fsBytes(a, "app"); after < before+48<<20 {
+		t.Fatalf("the mounted filesystem has %d bytes after growing to 128 MiB (it had %d)", after, before)
+	}
+	if got, err := e.node(a).ReadFile(e.ctx, journal); err != nil || w.CheckJournal(got, 0) != nil {
+		t.Fatalf("the journal after the expansion: %v, %v", err, w.CheckJournal(got, 0))
 	}
 	v.stop(a, "app")
 	e.wantNoISCSI(a)

@@ -5,14 +5,10 @@ package sanity
 
 import (
 	"context"
-	"fmt"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/modeguard/modeguard/test/testenv"
 	"github.com/modeguard/modeguard/test/vm/vmtest"
@@ -39,44 +35,8 @@ func TestSanityNFSKernelClientInVM(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// Target and staging paths live on the VM's own tmpfs: sanity creates,
-	// checks and removes them through the VM, where the node plugin mounts.
-	run := func(name string, args ...string) (string, error) {
-		out, code, err := vm.Run(ctx, name, args...)
-		if err != nil {
-			return out, err
-		}
-		if code != 0 {
-			return out, fmt.Errorf("%s %s in %s: exit %d: %s", name, strings.Join(args, " "), vm.Name, code, out)
-		}
-		return out, nil
-	}
-	mkdir := func(p string) (string, error) { _, err := run("mkdir", "-p", p); return p, err }
-	remove := func(p string) error { _, err := run("rm", "-rf", p); return err }
-
-	cfg := sanity.NewTestConfig()
-	cfg.Address = "passthrough:///" + vm.NodeEndpoint()
-	cfg.DialOptions = []grpc.DialOption{grpc.WithContextDialer(c.Dialer()),
-		grpc.WithTransportCredentials(insecure.NewCredentials())}
+	cfg := vm.SanityConfig(ctx)
 	cfg.ControllerAddress = ctrl.Endpoint
-	cfg.TargetPath = vm.Path("sanity", "target")
-	cfg.StagingPath = vm.Path("sanity", "staging")
-	cfg.CreateTargetDir, cfg.CreateStagingDir = mkdir, mkdir
-	cfg.RemoveTargetPath, cfg.RemoveStagingPath = remove, remove
-	cfg.CheckPath = func(p string) (sanity.PathKind, error) {
-		out, err := run("stat", "-c", "%F", p)
-		switch {
-		case err != nil && strings.Contains(out, "No such file"):
-			return sanity.PathIsNotFound, nil
-		case err != nil:
-			return sanity.PathIsOther, err
-		case strings.Contains(out, "directory"):
-			return sanity.PathIsDir, nil
-		case strings.Contains(out, "regular"):
-			return sanity.PathIsFile, nil
-		}
-		return sanity.PathIsOther, nil
-	}
 	cfg.TestVolumeParameters = map[string]string{"backend": "nfs"}
 	cfg.TestVolumeMutableParameters = map[string]string{"rootSquash": "false"}
 	cfg.TestVolumeSize = 300 << 20

@@ -456,14 +456,34 @@ func readInt(path string) (int64, error) {
 	return n, nil
 }
 
-// Check compares the disk the kernel has with the attachment: the
-// volume's size, and whether this node may only read. A disk the target
+// Rescan asks the kernel to read the disk's capacity again from the
+// target (after the volume grew there) and describes it anew.
+func (in *Initiator) Rescan(d Disk) (Disk, error) {
+	name := filepath.Base(d.Device)
+	block, err := filepath.EvalSymlinks(in.sysfs("class", "block", name))
+	if err != nil {
+		return Disk{}, err
+	}
+	if err := os.WriteFile(filepath.Join(block, "device", "rescan"), []byte("1"), 0); err != nil {
+		return Disk{}, fmt.Errorf("rescanning %s: %w", d.Device, err)
+	}
+	now, err := in.describe(block)
+	if err != nil {
+		return Disk{}, err
+	}
+	now.Serial, now.Session = d.Serial, d.Session
+	return now, nil
+}
+
+// Check compares the disk the kernel has with the attachment: at least
+// the volume's size when it was attached (it may have grown since), and
+// whether this node may only read. A disk the target
 // lets this node write for a read-only attachment is refused as firmly as
 // the opposite: the target's access list is then not what the controller
 // published, and a read-only mount on top would only hide that.
 func (d Disk) Check(size int64, readOnly bool) error {
 	switch {
-	case d.Size != size:
+	case d.Size < size:
 		return fmt.Errorf("disk %s (serial %s) has %d bytes, the volume %d", d.Device, d.Serial, d.Size, size)
 	case d.ReadOnly && !readOnly:
 		return fmt.Errorf("the target serves disk %s (serial %s) read-only to this node, but it is attached read/write", d.Device, d.Serial)

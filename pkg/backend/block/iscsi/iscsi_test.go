@@ -52,6 +52,7 @@ func TestDiskCheck(t *testing.T) {
 		{"read/write as attached", d, 64 << 20, false, ""},
 		{"read-only as attached", ro, 64 << 20, true, ""},
 		{"smaller", d, 128 << 20, false, "has 67108864 bytes"},
+		{"grown since the attach", d, 32 << 20, false, ""},
 		{"writable for a reader", d, 64 << 20, true, "lets this node write"},
 		{"read-only for a writer", ro, 64 << 20, false, "read-only to this node"},
 	} {

@@ -9,7 +9,7 @@
 //
 // Each volume is a target of its own, so its access list is its own:
 //
-//	core/fileio_<hbaIndex>/<name>               the backstore: the image file, its size, its unit serial
+//	core/fileio_<hbaIndex>/<name>               the backstore: the volume's file or device, its unit serial
 //	iscsi/<prefix>:<name>/tpgt_1                the portal group: CHAP required, no demo mode
 //	iscsi/<prefix>:<name>/tpgt_1/np/<ip:port>   where it listens
 //	iscsi/<prefix>:<name>/tpgt_1/lun/lun_0      the volume, linked to the backstore
@@ -73,9 +73,13 @@ type Config struct {
 type LUN struct {
 	// Name identifies the volume in configfs and in its target's IQN.
 	Name string
-	// Image is the absolute path of the image file.
+	// Image is the absolute path of the image file, or of a block device
+	// (a loop device over the image): LIO serves a file at the size it
+	// was enabled with, a block device at its size of the moment, so a
+	// volume that must grow while served is given as a device.
 	Image string
-	// Size is the size the initiators see, in bytes (a multiple of 512).
+	// Size is the size the initiators see, in bytes (a multiple of 512),
+	// for a file.
 	Size int64
 	// Serial is the unit serial number (VPD page 0x80) a node finds the
 	// disk by.

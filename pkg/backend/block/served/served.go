@@ -12,6 +12,17 @@
 // node logs in with the CHAP secret of its own name and finds the disk by
 // the serial.
 //
+// # The device under each volume
+//
+// LIO serves each image through a loop device on the target's host,
+// attached read/write (the access list decides who writes), so that an
+// expansion reaches the nodes: the image grows, then the device, whose
+// new size LIO reports at the nodes' next rescan. The device is found
+// again by the image it is bound to after a restart of this process (LIO
+// keeps it open) and made anew after a reboot; DeleteVolume detaches it
+// after the unexport. For the copies of snapshots and clones, the writers
+// of an image are whom LIO lets write, not that device.
+//
 // # The access list
 //
 // SetAttachments changes the target first and the record after, so the
@@ -29,6 +40,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"maps"
 	"net/netip"
@@ -45,6 +57,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
 	"github.com/modeguard/modeguard/pkg/backend/block/lio"
+	"github.com/modeguard/modeguard/pkg/backend/block/loop"
 	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
@@ -87,6 +100,7 @@ func New(ctx context.Context, pools *block.Controller, cfg Config) (*Controller,
 		return nil, err
 	}
 	c := &Controller{Controller: pools, target: t, portal: cfg.LIO.Portal, prefix: cfg.LIO.Prefix, chapDir: cfg.CHAPDir}
+	pools.SetWriters(c.writers)
 	vols, err := pools.ListVolumes(ctx)
 	if err != nil {
 		return nil, err
@@ -96,7 +110,7 @@ func New(ctx context.Context, pools *block.Controller, cfg Config) (*Controller,
 		if err != nil {
 			return nil, err
 		}
-		if err := c.serve(v, id, v.Attachments); err != nil {
+		if err := c.serve(ctx, v, id, v.Attachments); err != nil {
 			// One node's missing secret must not take every volume
 			// down: the nodes that cannot be let in are left out (and
 			// said so), the others keep their access.
@@ -108,7 +122,7 @@ func New(ctx context.Context, pools *block.Controller, cfg Config) (*Controller,
 				}
 				servable = append(servable, a)
 			}
-			if err := c.serve(v, id, servable); err != nil {
+			if err := c.serve(ctx, v, id, servable); err != nil {
 				return nil, fmt.Errorf("serving volume %s again: %w", v.ID, err)
 			}
 		}
@@ -170,7 +184,7 @@ func (c *Controller) initiators(attachments []accessmode.Attachment) ([]lio.Init
 }
 
 // serve exports v (idempotent) with the access list of attachments.
-func (c *Controller) serve(v *backend.Volume, id volumeid.ID, attachments []accessmode.Attachment) error {
+func (c *Controller) serve(ctx context.Context, v *backend.Volume, id volumeid.ID, attachments []accessmode.Attachment) error {
 	list, err := c.initiators(attachments)
 	if err != nil {
 		return err
@@ -179,8 +193,12 @@ func (c *Controller) serve(v *backend.Volume, id volumeid.ID, attachments []acce
 	if err != nil {
 		return err
 	}
+	dev, err := device(ctx, image)
+	if err != nil {
+		return status.Errorf(codes.Internal, "serving %s: %v", id, err)
+	}
 	name := lunName(id)
-	if err := c.target.Export(lio.LUN{Name: name, Image: image, Size: v.CapacityBytes, Serial: Serial(id)}); err != nil {
+	if err := c.target.Export(lio.LUN{Name: name, Image: dev, Size: v.CapacityBytes, Serial: Serial(id)}); err != nil {
 		return status.Errorf(codes.Internal, "exporting %s over iSCSI: %v", id, err)
 	}
 	if err := c.target.SetInitiators(name, list); err != nil {
@@ -194,7 +212,7 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 	if err != nil {
 		return nil, err
 	}
-	if err := c.serve(v, spec.ID, v.Attachments); err != nil {
+	if err := c.serve(ctx, v, spec.ID, v.Attachments); err != nil {
 		return nil, err
 	}
 	return c.withContext(v), nil
@@ -213,12 +231,12 @@ func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachm
 	if err != nil {
 		return nil, err
 	}
-	if err := c.serve(old, id, attachments); err != nil {
+	if err := c.serve(ctx, old, id, attachments); err != nil {
 		return nil, err
 	}
 	v, err := c.Controller.SetAttachments(ctx, id, attachments)
 	if err != nil {
-		if rerr := c.serve(old, id, old.Attachments); rerr != nil {
+		if rerr := c.serve(context.WithoutCancel(ctx), old, id, old.Attachments); rerr != nil {
 			klog.ErrorS(rerr, "Setting the iSCSI access list back to the record after the record could not be written", "volume", id.String())
 		}
 		return nil, err
@@ -226,20 +244,94 @@ func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachm
 	return c.withContext(v), nil
 }
 
-// DeleteVolume takes the volume off the target first: the image goes
-// only once no node can reach it.
+// DeleteVolume takes the volume off the target first, then lets go of
+// its device: the image goes only once no node can reach it.
 func (c *Controller) DeleteVolume(ctx context.Context, id volumeid.ID) error {
 	if err := c.target.Unexport(lunName(id)); err != nil {
 		return status.Errorf(codes.Internal, "unexporting %s: %v", id, err)
 	}
+	image, err := c.Controller.ImagePath(id)
+	if err != nil {
+		return status.Error(codes.Internal, err.Error())
+	}
+	current, stale, err := loop.Bound(image)
+	if err != nil {
+		return status.Errorf(codes.Internal, "looking for the device of %s: %v", id, err)
+	}
+	for _, dev := range append(current, stale...) {
+		if _, err := loop.DetachIfBackedBy(ctx, dev, image); err != nil {
+			return status.Errorf(codes.Internal, "detaching %s, the device %s was served from: %v", dev, id, err)
+		}
+	}
 	return c.Controller.DeleteVolume(ctx, id)
 }
 
-// ExpandVolume is refused for now: LIO's file backstore keeps the size it
-// was enabled with, so the nodes would not see the new size.
+// ExpandVolume grows the image, then its device, which LIO serves at its
+// size of the moment: the nodes see the new size at their next rescan
+// (NodeExpandVolume).
 func (c *Controller) ExpandVolume(ctx context.Context, id volumeid.ID, bytes int64) (*backend.Volume, error) {
-	return nil, status.Errorf(codes.FailedPrecondition,
-		"volume %s is served over iSCSI, whose volumes cannot grow yet (the target's file backstore keeps its size)", id)
+	v, err := c.Controller.ExpandVolume(ctx, id, bytes)
+	if err != nil {
+		return nil, err
+	}
+	image, err := c.Controller.ImagePath(id)
+	if err != nil {
+		return nil, status.Error(codes.Internal, err.Error())
+	}
+	dev, err := device(ctx, image)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "growing %s: %v", id, err)
+	}
+	if err := loop.Refresh(ctx, dev); err != nil {
+		return nil, status.Errorf(codes.Internal, "growing %s's device %s: %v", id, dev, err)
+	}
+	if size, err := loop.Size(dev); err != nil || size < v.CapacityBytes {
+		return nil, status.Errorf(codes.Internal, "%s's device %s has %d bytes after growing to %d (%v)", id, dev, size, v.CapacityBytes, err)
+	}
+	return c.withContext(v), nil
+}
+
+// device is the loop device LIO serves image through: the one bound to it
+// already (LIO keeps it open across a restart of this process), or a new
+// one. It is read/write: the access list, not the device, decides who
+// writes. A device under the image is what lets the volume grow while
+// served: LIO reads a block device's size anew for every READ CAPACITY,
+// where a file backstore keeps the size it was enabled with.
+func device(ctx context.Context, image string) (string, error) {
+	current, _, err := loop.Bound(image)
+	if err != nil {
+		return "", err
+	}
+	switch len(current) {
+	case 0:
+		dev, err := loop.Attach(ctx, image, false)
+		if err != nil {
+			return "", err
+		}
+		return dev.Path, nil
+	case 1:
+		return current[0], nil
+	}
+	return "", fmt.Errorf("%d loop devices are bound to %s (%s); there should be one", len(current), image, strings.Join(current, ", "))
+}
+
+// writers is who may be writing a volume's image besides its read-write
+// attachments: whoever its target lets write, as LIO says. The device
+// under the image is read/write for every volume and says nothing.
+func (c *Controller) writers(id volumeid.ID, image string) (string, error) {
+	list, err := c.target.Initiators(lunName(id))
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return "", nil // not served: nobody reaches it
+		}
+		return "", err
+	}
+	for _, i := range list {
+		if !i.ReadOnly {
+			return "writable by " + i.IQN + " at the iSCSI target", nil
+		}
+	}
+	return "", nil
 }
 
 func (c *Controller) ModifyVolume(ctx context.Context, id volumeid.ID, mutable map[string]string) (*backend.Volume, error) {
