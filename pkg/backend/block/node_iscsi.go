@@ -19,6 +19,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
+	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/pkg/mounts"
 	"github.com/modeguard/modeguard/pkg/volumeid"
@@ -139,6 +140,7 @@ func (n *Node) stageISCSI(ctx context.Context, req backend.StageRequest, v iscsi
 	if err != nil {
 		return nil, undo(status.Errorf(codes.Unavailable, "volume %s's disk: %v", req.VolumeID, err))
 	}
+	fpStageLoggedIn.Hit()
 	if err := disk.Check(req.CapacityBytes, req.AttachedReadOnly); err != nil {
 		return nil, undo(status.Errorf(codes.FailedPrecondition, "volume %s: %v", req.VolumeID, err))
 	}
@@ -171,6 +173,10 @@ func (n *Node) stageISCSI(ctx context.Context, req backend.StageRequest, v iscsi
 	}
 	return staged, nil
 }
+
+// fpStageLoggedIn is the step after the login, before anything records
+// it: a crash there leaves a session only the kernel knows of.
+var fpStageLoggedIn = faultpoint.New("block.stage.iscsi-logged-in")
 
 // setKernelReadOnly sets the kernel's read-only flag of a disk (BLKROSET).
 func setKernelReadOnly(dev string) error {

@@ -21,6 +21,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
 	"github.com/modeguard/modeguard/pkg/backend/block/lio"
 	"github.com/modeguard/modeguard/pkg/backend/remote"
+	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/test/certs"
 	"github.com/modeguard/modeguard/test/testenv"
 	"github.com/modeguard/modeguard/test/vm/vmtest"
@@ -132,10 +133,37 @@ func (e *csiEnv) startNode(vm *vmtest.VM) {
 	if err := vm.StartISCSIInitiator(e.ctx, "iqn.2026-11.io.modeguard.node:"+vm.Name); err != nil {
 		e.t.Fatal(err)
 	}
+	e.startPlugin(vm, nil)
+}
+
+// startPlugin (re)starts vm's node plugin with env added to its
+// environment.
+func (e *csiEnv) startPlugin(vm *vmtest.VM, env []string) {
+	e.t.Helper()
 	args := append([]string{"--iscsi-initiator-name-file", iscsi.InitiatorNameFile,
 		"--iscsi-chap-secret-file", e.secretFile[vm.Name], "--iscsi-replacement-timeout", e.replacement}, e.pluginArgs...)
-	if err := vm.StartPlugin(e.ctx, args...); err != nil {
+	if err := vm.StartPluginEnv(e.ctx, env, args...); err != nil {
 		e.t.Fatal(err)
+	}
+}
+
+// waitPlugin waits until node's plugin answers on the test's connection,
+// which a restart of the plugin or its VM reset, and reports the node id
+// it had at the start.
+func (e *csiEnv) waitPlugin(node string) {
+	e.t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		info, err := e.plugins[node].NodeGetInfo(e.ctx, &csi.NodeGetInfoRequest{})
+		if err == nil {
+			if info.GetNodeId() != e.nodeID[node] {
+				e.t.Fatalf("node id of %s after its restart %q, want %q", node, info.GetNodeId(), e.nodeID[node])
+			}
+			return
+		}
+		if status.Code(err) != codes.Unavailable || time.Now().After(deadline) {
+			e.t.Fatalf("NodeGetInfo of %s after its restart: %v", node, err)
+		}
+		time.Sleep(200 * time.Millisecond)
 	}
 }
 
@@ -595,21 +623,7 @@ func TestCSIOverISCSISurvivesATargetRestartAndANodeReboot(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.startNode(e.node(a))
-	// The client's connection died with the VM; the first call after the
-	// reboot may find it reset before gRPC dials again.
-	for deadline := time.Now().Add(30 * time.Second); ; {
-		info, err := e.plugins[a].NodeGetInfo(e.ctx, &csi.NodeGetInfoRequest{})
-		if err == nil {
-			if info.GetNodeId() != e.nodeID[a] {
-				t.Fatalf("node id after the reboot %q, want %q", info.GetNodeId(), e.nodeID[a])
-			}
-			break
-		}
-		if status.Code(err) != codes.Unavailable || time.Now().After(deadline) {
-			t.Fatalf("NodeGetInfo after the reboot: %v", err)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	e.waitPlugin(a)
 	// The kubelet after the node's boot: the volume is still attached, so
 	// it stages and publishes again with the publish context it kept.
 	if err := v.stageWith(a, v.published[a]); err != nil {
@@ -649,5 +663,69 @@ func TestCSIOverISCSISurvivesATargetRestartAndANodeReboot(t *testing.T) {
 	if out, code, err := e.env.vm.Run(e.ctx, "e2fsck", "-fn", v.image()); err != nil || code != 0 {
 		t.Fatalf("the filesystem in the target's image does not check clean: exit %d, %v:\n%s", code, err, out)
 	}
+	v.delete()
+}
+
+// TestCSIOverISCSIEndsASessionACrashLeft: the node plugin is killed
+// (SIGKILL) right after its login to a volume's target, before anything
+// records the stage: only the kernel knows the session. Restarted, the
+// plugin's NodeUnstageVolume ends it (found by the disk's serial) and
+// leaves no node record; after a second such crash, the CO's retried
+// NodeStageVolume reuses the session rather than logging in twice, and
+// the volume is used and released as usual.
+func TestCSIOverISCSIEndsASessionACrashLeft(t *testing.T) {
+	e := setupCSI(t, 1, replacementTimeout)
+	a := e.env.nodes[0].Name
+	vm := e.node(a)
+	v := e.create("crashed", mountCapability(accessmode.SingleNodeWriter))
+	if err := v.attach(a, false); err != nil {
+		t.Fatalf("ControllerPublish: %v", err)
+	}
+	sessions := func() int {
+		t.Helper()
+		out, code, err := vm.Run(e.ctx, "iscsiadm", "-m", "session")
+		switch {
+		case err != nil:
+			t.Fatal(err)
+		case code == 21: // no active sessions
+			return 0
+		case code != 0:
+			t.Fatalf("iscsiadm -m session: exit %d: %s", code, out)
+		}
+		return len(strings.Split(strings.TrimSpace(out), "\n"))
+	}
+	crash := func() {
+		t.Helper()
+		e.startPlugin(vm, []string{faultpoint.EnvVar + "=block.stage.iscsi-logged-in"})
+		e.waitPlugin(a)
+		if err := v.stageWith(a, v.published[a]); status.Code(err) != codes.Unavailable {
+			t.Fatalf("NodeStage with the plugin killed after its login: %v, want UNAVAILABLE", err)
+		}
+		if n := sessions(); n != 1 {
+			t.Fatalf("%s has %d sessions after the crash, want the one the crash left", a, n)
+		}
+		e.startPlugin(vm, nil)
+		e.waitPlugin(a)
+	}
+
+	crash()
+	v.unstage(a)
+	e.wantNoISCSI(a)
+
+	crash()
+	if err := v.stageWith(a, v.published[a]); err != nil {
+		t.Fatalf("NodeStage retried after the crash: %v", err)
+	}
+	if n := sessions(); n != 1 {
+		t.Fatalf("%s has %d sessions after the retried stage, want 1", a, n)
+	}
+	if err := v.publish(a, "app", false); err != nil {
+		t.Fatalf("NodePublish: %v", err)
+	}
+	if err := vm.WriteFile(e.ctx, filepath.Join(v.target(a, "app"), "after-the-crash"), []byte("written\n")); err != nil {
+		t.Fatal(err)
+	}
+	v.stop(a, "app")
+	e.wantNoISCSI(a)
 	v.delete()
 }
