@@ -8,14 +8,16 @@ COPY . .
 ARG VERSION=dev
 RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X main.version=${VERSION}" -o /out/modeguard ./cmd/modeguard
 
-# Runtime, one image for both roles: what the node plugin calls (mount,
-# blkid, mkfs, resize, mount.nfs4; loop devices are bound by ioctl) and what
-# the controller runs for NFS (nfs-ganesha with its VFS backend, a private
-# D-Bus daemon).
+# Runtime, one image for every role: what the node plugin calls (mount,
+# blkid, mkfs, resize, mount.nfs4, and iscsiadm for volumes served over
+# iSCSI, talking to the host's iscsid; loop devices are bound by ioctl) and
+# what the controller runs for NFS (nfs-ganesha with its VFS backend, a
+# private D-Bus daemon). A storage target needs nothing more: LIO is
+# configured through configfs.
 FROM debian:bookworm-slim
 RUN apt-get update \
  && apt-get install -y --no-install-recommends util-linux mount e2fsprogs xfsprogs coreutils \
-      nfs-common nfs-ganesha nfs-ganesha-vfs dbus netbase \
+      nfs-common nfs-ganesha nfs-ganesha-vfs dbus netbase open-iscsi \
  && rm -rf /var/lib/apt/lists/* \
  && ln -sf /proc/self/mounts /etc/mtab
 # netbase: mount.nfs4 looks up "tcp" in /etc/protocols. /etc/mtab: ganesha

@@ -187,6 +187,26 @@ func TestChartRendersTheKustomizeBase(t *testing.T) {
 	compare(t, helmTemplate(t, "--set", "createNamespace=true"), base)
 }
 
+// TestChartISCSIIsTheISCSIOverlay: the chart with iscsi.enabled renders
+// what overlays/iscsi (the base and components/iscsi) does, object for
+// object: a storage target and its Service for the zone, the controller
+// reaching it over mutual TLS instead of holding the pool, and the node
+// plugins logging in with the host's open-iscsi.
+func TestChartISCSIIsTheISCSIOverlay(t *testing.T) {
+	kustomize := tool(t, "KUSTOMIZE", "kustomize")
+	overlay := objects(t, run(t, kustomize, "build", filepath.Join(repo(t), "deploy", "kubernetes", "overlays", "iscsi")))
+	for _, key := range []string{"StatefulSet/modeguard/modeguard-target-zone-a", "Service/modeguard/modeguard-target-zone-a"} {
+		if _, ok := overlay[key]; !ok {
+			t.Fatalf("overlays/iscsi renders no %s", key)
+		}
+	}
+	args := fmt.Sprint(overlay["Deployment/modeguard/modeguard-controller"]["spec"])
+	if strings.Contains(args, "--block-pool") || !strings.Contains(args, "--block-target=zone-a=modeguard-target-zone-a.modeguard.svc:9443") {
+		t.Fatalf("the controller of overlays/iscsi does not reach the target instead of the pool: %s", args)
+	}
+	compare(t, helmTemplate(t, "--set", "createNamespace=true", "--set", "iscsi.enabled=true"), overlay)
+}
+
 // TestChartZonesAreTheZoneGroups: a second zone in the chart's values is
 // the node group deploy/kubernetes/zones/zone-b adds, object for object.
 func TestChartZonesAreTheZoneGroups(t *testing.T) {
@@ -222,6 +242,8 @@ func TestChartRefusesBadValues(t *testing.T) {
 		{"an unknown key", "replicas=2", "replicas"},
 		{"a pull policy Kubernetes does not know", "image.pullPolicy=Sometimes", "pullPolicy"},
 		{"a port out of range", "controller.metrics.port=70000", "port"},
+		{"an iSCSI portal port out of range", "iscsi.portalPort=0", "portalPort"},
+		{"a replacement timeout without a unit", "iscsi.replacementTimeout=30", "replacementTimeout"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cmd := exec.Command(helm, "template", "modeguard", chart, "--namespace", "modeguard", "--set", tc.set)
