@@ -117,7 +117,7 @@ demo: build ## a controller and three node plugins in two zones, walked through 
 # Every test. Tests that need root, loop devices and mounts skip themselves
 # (and say so) when run unprivileged; CI runs them as root.
 test: fmt-check vet build $(KUSTOMIZE) helm-lint
-	$(GO) test $(GOTEST_FLAGS) -timeout 20m ./...
+	$(GO) test $(GOTEST_FLAGS) -timeout 30m ./...
 	$(MAKE) fuzz FUZZTIME=20000x
 	$(MAKE) test-vm
 	$(MAKE) test-e2e

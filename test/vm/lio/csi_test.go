@@ -45,16 +45,17 @@ type csiEnv struct {
 	secretFile  map[string]string
 	replacement string
 	pluginArgs  []string // more flags for the node plugins
+	bin         string   // the modeguard binary every role runs
 }
 
 // setupCSI starts it all with nodes node VMs, named as the VMs are, whose
 // I/O waits replacement for a lost session before it fails, and whose
 // node plugins get pluginArgs too.
-func setupCSI(t *testing.T, nodes int, replacement string, pluginArgs ...string) *csiEnv {
+func setupCSI(t testing.TB, nodes int, replacement string, pluginArgs ...string) *csiEnv {
 	requireInitiatorTools(t)
 	bin := testenv.BuildBinary(t)
 	e := &csiEnv{env: setupWith(t, nodes, bin), plugins: map[string]csi.NodeClient{}, nodeID: map[string]string{},
-		secretFile: map[string]string{}, replacement: replacement, pluginArgs: pluginArgs}
+		secretFile: map[string]string{}, replacement: replacement, pluginArgs: pluginArgs, bin: bin}
 	dir := t.TempDir()
 	chap := filepath.Join(dir, "chap") // the target's CHAP Secret: a key per node
 	if err := os.Mkdir(chap, 0o700); err != nil {

@@ -21,7 +21,7 @@ const replacementTimeout = "5s"
 
 // requireInitiatorTools skips the test without the host's open-iscsi
 // (which the node VMs run) and sg_raw.
-func requireInitiatorTools(t *testing.T) {
+func requireInitiatorTools(t testing.TB) {
 	for tool, pkg := range map[string]string{"iscsiadm": "open-iscsi", "iscsid": "open-iscsi", "sg_raw": "sg3-utils"} {
 		if _, err := exec.LookPath(tool); err != nil {
 			t.Skipf("%s is not installed (Debian: %s)", tool, pkg)

@@ -73,7 +73,7 @@ func (r *targetRole) kill() { r.e.t.Helper(); killInVM(r.e.t, r.e.ctx, r.e.vm, r
 
 // runInVM runs args in the background in vm, its output appended to log
 // (a host path, which the VM sees through 9p) and its PID in log.pid.
-func runInVM(t *testing.T, ctx context.Context, vm *vmtest.VM, log string, args ...string) {
+func runInVM(t testing.TB, ctx context.Context, vm *vmtest.VM, log string, args ...string) {
 	t.Helper()
 	script := `"$@" >> "$LOG" 2>&1 < /dev/null & echo $! > "$LOG.pid"`
 	if out, code, err := vm.Run(ctx, "env", append([]string{"LOG=" + log, "sh", "-c", script, "sh"}, args...)...); err != nil || code != 0 {
@@ -83,7 +83,7 @@ func runInVM(t *testing.T, ctx context.Context, vm *vmtest.VM, log string, args 
 
 // killInVM sends SIGKILL to what runInVM started with log, by its PID,
 // and waits until it is gone.
-func killInVM(t *testing.T, ctx context.Context, vm *vmtest.VM, log string) {
+func killInVM(t testing.TB, ctx context.Context, vm *vmtest.VM, log string) {
 	t.Helper()
 	if out, code, err := vm.Run(ctx, "sh", "-c", `kill -9 "$(cat "$1")"; while kill -0 "$(cat "$1")" 2>/dev/null; do sleep 0.1; done`, "sh", log+".pid"); err != nil || code != 0 {
 		t.Fatalf("killing %s in %s: exit %d, %v: %s", log, vm.Name, code, err, out)

@@ -41,7 +41,7 @@ var (
 // env is one target VM with the volume's image on its own disk, and
 // node VMs.
 type env struct {
-	t      *testing.T
+	t      testing.TB
 	ctx    context.Context
 	c      *vmtest.Cluster
 	vm     *vmtest.VM   // the target
@@ -69,7 +69,7 @@ func setup(t *testing.T, nodes int) *env { return setupWith(t, nodes, "") }
 
 // setupWith is setup with the modeguard binary bin for the node VMs'
 // node plugins (vmtest.VM.StartPlugin).
-func setupWith(t *testing.T, nodes int, bin string) *env {
+func setupWith(t testing.TB, nodes int, bin string) *env {
 	testenv.RequireRoot(t)
 	tool := filepath.Join(t.TempDir(), "iscsitool")
 	build := exec.Command("go", "build", "-race", "-o", tool, "github.com/modeguard/modeguard/test/vm/iscsitool")
@@ -331,7 +331,7 @@ func TestLIOTargetEnforcesTheAccessList(t *testing.T) {
 // session is an interactive qemu-io logged in to the volume: one iSCSI
 // session the test sends commands through, one at a time.
 type session struct {
-	t      *testing.T
+	t      testing.TB
 	cancel context.CancelFunc
 	in     io.WriteCloser
 	lines  chan string
