@@ -77,7 +77,7 @@ func setupWith(t testing.TB, nodes int, bin string) *env {
 		t.Fatalf("building iscsitool: %v\n%s", err, out)
 	}
 	c := vmtest.Start(t, vmtest.Options{VMs: 1 + nodes, Prefix: "mgl", NodeDiskMB: 256, Binary: bin})
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	t.Cleanup(cancel)
 	vm := c.VMs[0]
 	e := &env{t: t, ctx: ctx, c: c, vm: vm, nodes: c.VMs[1:], tool: tool, image: vm.Path("pool", volume+".img"),
