@@ -682,12 +682,16 @@ func (n *Node) Owns(ctx context.Context, id volumeid.ID, m *mounts.Mount) (bool,
 	if name == "" {
 		return false, nil
 	}
-	if n.overISCSI(id, nil) {
+	// What the device is decides, not what this node is configured for: a
+	// node may reach some volumes through a pool and others over iSCSI.
+	if n.iscsi != nil {
 		ours, err := n.ownsDisk(id, name)
 		if err != nil {
 			return false, status.Errorf(codes.Internal, "inspecting /dev/%s: %v", name, err)
 		}
-		return ours, nil
+		if ours || n.overISCSI(id, nil) {
+			return ours, nil
+		}
 	}
 	_, image, err := n.locate(id)
 	if err != nil {
@@ -746,7 +750,7 @@ func (n *Node) ReleaseDevice(ctx context.Context, id volumeid.ID, device string)
 	if !loop.ValidDevice(device) {
 		return status.Errorf(codes.Internal, "%q is not a loop device; refusing to touch it", device)
 	}
-	if n.overISCSI(id, nil) {
+	if n.viewOfDisk(id, device) {
 		return n.releaseDiskView(ctx, id, device)
 	}
 	_, image, err := n.locate(id)
@@ -764,7 +768,7 @@ func (n *Node) ReleaseDevice(ctx context.Context, id volumeid.ID, device string)
 // the volume's image (a publish interrupted before binding it, or a device
 // since reused) is left alone and reported as not refreshed.
 func (n *Node) RefreshDevice(ctx context.Context, id volumeid.ID, device string) (bool, error) {
-	if n.overISCSI(id, nil) {
+	if n.viewOfDisk(id, device) {
 		return n.refreshDiskView(ctx, id, device)
 	}
 	_, image, err := n.locate(id)

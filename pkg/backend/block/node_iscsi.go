@@ -370,6 +370,22 @@ func (n *Node) ownsDisk(id volumeid.ID, name string) (bool, error) {
 	return loop.BoundTo(dev, backing)
 }
 
+// viewOfDisk tells whether a read-only device made for a publish of
+// volume id (ReadOnlyDevice) is over a disk rather than an image: always on
+// a node without a pool for the volume's zone; elsewhere when the device is
+// bound to a device node. An unbound device is either, and both ways of
+// releasing it leave it alone.
+func (n *Node) viewOfDisk(id volumeid.ID, device string) bool {
+	if n.iscsi == nil {
+		return false
+	}
+	if n.overISCSI(id, nil) {
+		return true
+	}
+	backing, err := loop.BackingFile(device)
+	return err == nil && strings.HasPrefix(backing, "/dev/")
+}
+
 // diskOfStage is the volume's disk for a read-only view of a stage: the
 // recorded device, checked to be the volume's now.
 func (n *Node) diskOfStage(id volumeid.ID, staged *backend.Staged) (string, error) {
