@@ -730,3 +730,82 @@ func TestCSIOverISCSIEndsASessionACrashLeft(t *testing.T) {
 	e.wantNoISCSI(a)
 	v.delete()
 }
+
+// TestCSIOverISCSISnapshotAndCloneCarryData: on a target whose pool has no
+// reflinks, a snapshot of a volume attached for writing is refused with
+// the reason (a byte copy of an image in use could be torn), and one of
+// the same volume at rest is taken; a volume restored from it into a
+// larger size, and a clone of the origin, are served over iSCSI with the
+// origin's data, the restored one's filesystem grown at its first stage.
+func TestCSIOverISCSISnapshotAndCloneCarryData(t *testing.T) {
+	e := setupCSI(t, 1, replacementTimeout)
+	a := e.env.nodes[0].Name
+	c := mountCapability(accessmode.SingleNodeWriter)
+	origin := e.create("origin", c)
+	origin.start(a, "app", false)
+	const data = "written before the snapshot\n"
+	if err := e.node(a).WriteFile(e.ctx, filepath.Join(origin.target(a, "app"), "data"), []byte(data)); err != nil {
+		t.Fatal(err)
+	}
+	if out, code, err := e.node(a).Run(e.ctx, "sync"); err != nil || code != 0 {
+		t.Fatalf("sync: exit %d, %v: %s", code, err, out)
+	}
+	_, err := e.ctrl.CSI.CreateSnapshot(e.ctx, &csi.CreateSnapshotRequest{SourceVolumeId: origin.id(), Name: "busy"})
+	wantCSICode(t, "a snapshot of a volume attached for writing", err, codes.FailedPrecondition, "attached read-write")
+	origin.stop(a, "app")
+
+	snap, err := e.ctrl.CSI.CreateSnapshot(e.ctx, &csi.CreateSnapshotRequest{SourceVolumeId: origin.id(), Name: "at-rest"})
+	if err != nil {
+		t.Fatalf("CreateSnapshot of the volume at rest: %v", err)
+	}
+	for deadline := time.Now().Add(2 * time.Minute); !snap.GetSnapshot().GetReadyToUse(); {
+		if time.Now().After(deadline) {
+			t.Fatal("the snapshot is not ready after 2 minutes")
+		}
+		time.Sleep(time.Second)
+		if snap, err = e.ctrl.CSI.CreateSnapshot(e.ctx, &csi.CreateSnapshotRequest{SourceVolumeId: origin.id(), Name: "at-rest"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A restore or a clone is a byte copy here (no reflinks): CreateVolume
+	// answers ABORTED while it runs, as the CO's retries expect.
+	from := func(name string, src *csi.VolumeContentSource, size int64) *csiVolume {
+		t.Helper()
+		req := &csi.CreateVolumeRequest{Name: name, VolumeCapabilities: []*csi.VolumeCapability{c},
+			CapacityRange: &csi.CapacityRange{RequiredBytes: size}, Parameters: map[string]string{"backend": "block"}, VolumeContentSource: src}
+		for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(time.Second) {
+			resp, err := e.ctrl.CSI.CreateVolume(e.ctx, req)
+			switch {
+			case err == nil && resp.GetVolume().GetVolumeContext()[iscsi.ContextTransport] != iscsi.TransportName:
+				t.Fatalf("volume %s is not served over iSCSI: %v", name, resp.GetVolume().GetVolumeContext())
+			case err == nil:
+				return &csiVolume{e: e, v: resp.GetVolume(), cap: c, published: map[string]map[string]string{}}
+			case status.Code(err) != codes.Aborted || time.Now().After(deadline):
+				t.Fatalf("CreateVolume %s: %v", name, err)
+			}
+		}
+	}
+	// One at a time: the target's disk in the VM holds 256 MiB.
+	check := func(v *csiVolume, minFs int64) {
+		t.Helper()
+		v.start(a, "reader", false)
+		got, err := e.node(a).ReadFile(e.ctx, filepath.Join(v.target(a, "reader"), "data"))
+		if err != nil || string(got) != data {
+			t.Fatalf("%s reads %q, %v; want the origin's %q", v.v.GetVolumeId(), got, err, data)
+		}
+		if size := v.fsBytes(a, "reader"); size < minFs {
+			t.Fatalf("%s's filesystem has %d bytes, want at least %d (grown at its first stage)", v.v.GetVolumeId(), size, minFs)
+		}
+		v.stop(a, "reader")
+		v.delete()
+	}
+	check(from("restored", &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+		Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snap.GetSnapshot().GetSnapshotId()}}}, 96<<20), 80<<20)
+	check(from("clone", &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
+		Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: origin.id()}}}, 64<<20), 48<<20)
+	if _, err := e.ctrl.CSI.DeleteSnapshot(e.ctx, &csi.DeleteSnapshotRequest{SnapshotId: snap.GetSnapshot().GetSnapshotId()}); err != nil {
+		t.Fatal(err)
+	}
+	origin.delete()
+	e.wantNoISCSI(a)
+}
