@@ -54,14 +54,12 @@ func NewNetworkNode(pools map[string]string, cfg ISCSI) (*Node, error) {
 	if cfg.DiskTimeout <= 0 {
 		cfg.DiskTimeout = 30 * time.Second
 	}
-	n := &Node{}
+	n := newNode(map[string]*pool{}, nil)
 	if len(pools) > 0 {
 		var err error
 		if n, err = NewNode(pools); err != nil {
 			return nil, err
 		}
-	} else {
-		n = newNode(map[string]*pool{}, nil)
 	}
 	n.iscsi = &cfg
 	return n, nil

@@ -12,9 +12,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
@@ -104,25 +102,12 @@ func setupCSI(t testing.TB, nodes int, replacement string, pluginArgs ...string)
 
 	for _, vm := range e.env.nodes {
 		e.startNode(vm)
-		conn, err := grpc.NewClient("passthrough:///"+vm.NodeEndpoint(),
-			grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithContextDialer(e.c.Dialer()))
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { conn.Close() })
-		e.plugins[vm.Name] = csi.NewNodeClient(conn)
+		e.plugins[vm.Name] = vm.NodeClient(t)
 		info, err := e.plugins[vm.Name].NodeGetInfo(e.ctx, &csi.NodeGetInfoRequest{})
 		if err != nil {
 			t.Fatal(err)
 		}
 		e.nodeID[vm.Name] = info.GetNodeId()
-		t.Cleanup(func() {
-			if t.Failed() {
-				if log, err := vm.PluginLog(context.Background()); err == nil {
-					t.Logf("node plugin log of %s:\n%s", vm.Name, log)
-				}
-			}
-		})
 	}
 	return e
 }

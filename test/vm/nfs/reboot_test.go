@@ -9,9 +9,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
@@ -56,21 +54,8 @@ func TestNodeVMRebootKeepsVolumes(t *testing.T) {
 	if err := vm.StartPlugin(ctx, pluginArgs...); err != nil {
 		t.Fatal(err)
 	}
-	conn, err := grpc.NewClient("passthrough:///"+vm.NodeEndpoint(),
-		grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithContextDialer(c.Dialer()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
-	node := csi.NewNodeClient(conn)
+	node := vm.NodeClient(t)
 	cc := ctrl.CSI
-	t.Cleanup(func() {
-		if t.Failed() {
-			if log, err := vm.PluginLog(context.Background()); err == nil {
-				t.Logf("node plugin log:\n%s", log)
-			}
-		}
-	})
 
 	mount := func(mode accessmode.Mode, fsType string) *csi.VolumeCapability {
 		return &csi.VolumeCapability{AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode},

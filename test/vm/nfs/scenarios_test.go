@@ -13,9 +13,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
@@ -47,21 +45,7 @@ func setup(t *testing.T, vms int) *env {
 		if err := vm.StartPlugin(ctx, "--max-volumes-per-node", "8"); err != nil {
 			t.Fatal(err)
 		}
-		conn, err := grpc.NewClient("passthrough:///"+vm.NodeEndpoint(),
-			grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithContextDialer(c.Dialer()))
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { conn.Close() })
-		e.nodes[vm.Name] = csi.NewNodeClient(conn)
-		vm := vm
-		t.Cleanup(func() {
-			if t.Failed() {
-				if log, err := vm.PluginLog(context.Background()); err == nil {
-					t.Logf("node plugin log of %s:\n%s", vm.Name, log)
-				}
-			}
-		})
+		e.nodes[vm.Name] = vm.NodeClient(t)
 	}
 	return e
 }
