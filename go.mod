@@ -4,6 +4,7 @@ go 1.26.0
 
 require (
 	github.com/container-storage-interface/spec v1.13.0
+	github.com/csi-addons/spec v0.2.1-0.20241104111131-27825f744db5
 	github.com/godbus/dbus/v5 v5.2.4
 	github.com/kubernetes-csi/csi-lib-utils v0.25.0
 	github.com/kubernetes-csi/csi-test/v5 v5.6.0

@@ -2,6 +2,7 @@ package main
 
 import (
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -19,6 +20,7 @@ func TestControllerDirs(t *testing.T) {
 			"--nfs-ganesha-dbus", "unix:path=/run/g.sock", "--nfs-export-config-dir", "/e"}, []string{"/n"}},
 		{"a zone behind a storage target", []string{"--roles", "controller,node", "--block-pool", "zone-a=/p/a", "--block-pool", "zone-b=/p/b",
 			"--block-target", "zone-a=unix:///run/target-a.sock"}, []string{"/p/b"}},
+		{"a fence file", []string{"--roles", "controller", "--block-pool", "zone-a=/p/a", "--fence-file", "/c/fences.json"}, []string{"/c", "/p/a"}},
 		{"both", []string{"--roles", "controller", "--block-pool", "zone-a=/p/a", "--nfs-export-root", "/n", "--nfs-server", "10.0.0.1", "--nfs-ganesha-dir", "/g"}, []string{"/g", "/n", "/p/a"}},
 	}
 	for _, tt := range tests {
@@ -31,6 +33,31 @@ func TestControllerDirs(t *testing.T) {
 			slices.Sort(got)
 			if !slices.Equal(got, tt.want) {
 				t.Errorf("controllerDirs = %v, want %v", got, tt.want)
+			}
+		})
+	}
+}
+
+// TestFenceFileFlag: a fence file is the controller's, at a clean absolute
+// path; anything else stops the process at start.
+func TestFenceFileFlag(t *testing.T) {
+	dir := t.TempDir()
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"relative", []string{"--roles", "controller", "--block-pool", "zone-a=" + dir, "--fence-file", "fences.json"}},
+		{"unclean", []string{"--roles", "controller", "--block-pool", "zone-a=" + dir, "--fence-file", dir + "/x/../fences.json"}},
+		{"the lock file", []string{"--roles", "controller", "--block-pool", "zone-a=" + dir, "--fence-file", dir + "/.modeguard-controller.lock"}},
+		{"node role", []string{"--roles", "node", "--node-id", "n1", "--zone", "zone-a", "--state-dir", dir + "/state", "--block-pool", "zone-a=" + dir, "--fence-file", dir + "/fences.json"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			o, err := parseFlags(tc.args)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := run(o); err == nil || !strings.Contains(err.Error(), "--fence-file") {
+				t.Fatalf("run = %v, want a refusal naming --fence-file", err)
 			}
 		})
 	}

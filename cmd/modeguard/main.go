@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"slices"
 	"sort"
 	"strconv"
@@ -93,6 +94,8 @@ type options struct {
 	metricsAddr string
 	showVersion bool
 	nfs         nfs.Options
+	// fenceFile is where the controller keeps its network fences.
+	fenceFile string
 
 	// iscsiInitiatorFile is where the node reads its iSCSI initiator name;
 	// iscsiSecretFile holds its CHAP secret; iscsiReplacement bounds how
@@ -187,6 +190,8 @@ func parseFlags(args []string) (*options, error) {
 		"controller: D-Bus address of a ganesha run by someone else (e.g. unix:path=/run/ganesha/bus.sock); the driver then starts none")
 	fs.StringVar(&o.nfs.ExportConfigDir, "nfs-export-config-dir", "",
 		"controller: where export files go; required with --nfs-ganesha-dbus (that ganesha must include it with %dir), default <nfs-ganesha-dir>/exports")
+	fs.StringVar(&o.fenceFile, "fence-file", "",
+		"controller: the file it keeps its network fences in (csi-addons NetworkFence), an absolute path on storage that outlives the controller; its directory is locked like the pools; off when empty: the NetworkFence calls are refused")
 	fs.StringVar(&o.metricsAddr, "metrics-address", "",
 		"where to serve Prometheus metrics over HTTP at "+metrics.Path+", host:port (e.g. 127.0.0.1:9808 or :9808); off when empty")
 	fs.StringVar(&o.kubeletRegistrationDir, "kubelet-registration-dir", "",
@@ -244,6 +249,18 @@ func run(o *options) error {
 		// The controller's backends read their directories only once
 		// this process holds the controller lock on them.
 		ControllersLater: isController,
+	}
+	if o.fenceFile != "" {
+		if !isController {
+			return fmt.Errorf("--fence-file is for the controller role")
+		}
+		if !filepath.IsAbs(o.fenceFile) || filepath.Clean(o.fenceFile) != o.fenceFile || filepath.Base(o.fenceFile) == controllerlock.FileName {
+			return fmt.Errorf("--fence-file %q: give a clean absolute path of a file", o.fenceFile)
+		}
+		if err := os.MkdirAll(filepath.Dir(o.fenceFile), 0o700); err != nil {
+			return fmt.Errorf("--fence-file: %w", err)
+		}
+		cfg.FenceFile = o.fenceFile
 	}
 	if o.iscsiInitiatorFile != "" && slices.Contains(roles, driver.RoleNode) {
 		if cfg.ISCSIInitiator, err = iscsi.ReadInitiatorName(o.iscsiInitiatorFile); err != nil {
@@ -357,7 +374,8 @@ func run(o *options) error {
 }
 
 // controllerDirs are the directories a controller keeps its state in: every
-// block pool, the NFS export root and the directory of the ganesha it runs.
+// block pool, the NFS export root, the directory of the ganesha it runs and
+// that of its network fences.
 func controllerDirs(o *options) []string {
 	var dirs []string
 	for _, dir := range controllerPools(o) {
@@ -368,6 +386,9 @@ func controllerDirs(o *options) []string {
 		if o.nfs.GaneshaDBus == "" {
 			dirs = append(dirs, o.nfs.GaneshaDir)
 		}
+	}
+	if o.fenceFile != "" {
+		dirs = append(dirs, filepath.Dir(o.fenceFile))
 	}
 	return dirs
 }

@@ -196,12 +196,17 @@ const (
 	// ReasonModeNotAllowed: the mode allows more than the modes the volume
 	// was created for (see Within).
 	ReasonModeNotAllowed = "ModeNotAllowed"
+	// ReasonFenced: the node is behind a network fence, or reports no
+	// address while fences are in force, so it cannot be told apart from
+	// a fenced one.
+	ReasonFenced = "Fenced"
 )
 
 // Reasons lists every refusal reason, the bounded set metrics may carry.
 var Reasons = []string{
 	ReasonInvalidMode, ReasonPublishedWithOtherArguments, ReasonHeldByOtherNode, ReasonWriterLimit,
 	ReasonHeldByOtherWorkload, ReasonOtherAccessMode, ReasonBeyondNodeMode, ReasonOtherZone, ReasonAttachLimit, ReasonModeNotAllowed,
+	ReasonFenced,
 }
 
 // Decision is the outcome of a rule: OK, or a gRPC code with a message a

@@ -17,6 +17,24 @@ type Attachment struct {
 	// type, mount flags): the same node asking again with another one is
 	// refused with ALREADY_EXISTS rather than silently changed.
 	Fingerprint string `json:"fingerprint,omitempty"`
+	// Fenced says the node is cut off from the volume by a network fence
+	// (csi-addons NetworkFence) while the CO still has it attached: the
+	// storage serves it nothing, but the attachment still counts for the
+	// rules, so the volume is not free for another writer until the CO
+	// unpublishes the fenced node (its force-detach).
+	Fenced bool `json:"fenced,omitempty"`
+}
+
+// Served is the attachments the storage must serve: every one but the
+// fenced. An export's client list and a target's access list are these.
+func Served(attachments []Attachment) []Attachment {
+	var out []Attachment
+	for _, a := range attachments {
+		if !a.Fenced {
+			out = append(out, a)
+		}
+	}
+	return out
 }
 
 // NodeKey is the part of a node id that names the node (see package
@@ -125,15 +143,17 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 // keeps its lease alive through its other volumes, and its locks would
 // block the new writer forever. With several writer nodes allowed
 // (MULTI_NODE_MULTI_WRITER) the writers that stay share that state, and a
-// node leaving frees nothing of theirs.
+// node leaving frees nothing of theirs. A fenced attachment writes nothing:
+// fencing the sole writer is its leaving, and unpublishing it afterwards
+// is not.
 func SoleWriterLeft(old, now []Attachment) bool {
 	writesNow := map[string]bool{}
-	for _, a := range now {
+	for _, a := range Served(now) {
 		if !a.ReadOnly {
 			writesNow[a.Node()] = true
 		}
 	}
-	for _, a := range old {
+	for _, a := range Served(old) {
 		if a.ReadOnly || writesNow[a.Node()] {
 			continue
 		}

@@ -2,6 +2,7 @@ package accessmode
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -251,6 +252,31 @@ func describe(a Attachment) string {
 	return a.NodeID + ":" + Name(a.Mode) + ":" + rw
 }
 
+// fenced marks an attachment fenced.
+func fenced(a Attachment) Attachment { a.Fenced = true; return a }
+
+// TestServed: the storage serves every attachment but the fenced, in order.
+func TestServed(t *testing.T) {
+	a, b, c := at("a", MultiNodeMultiWriter, "rw"), fenced(at("b", MultiNodeMultiWriter, "rw")), at("c", MultiNodeMultiWriter, "ro")
+	tests := []struct {
+		name string
+		in   []Attachment
+		want []Attachment
+	}{
+		{"none", nil, nil},
+		{"none fenced", holds(a, c), holds(a, c)},
+		{"one fenced", holds(a, b, c), holds(a, c)},
+		{"all fenced", holds(b), nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := Served(tt.in); !slices.Equal(got, tt.want) {
+				t.Errorf("Served(%v) = %v, want %v", tt.in, got, tt.want)
+			}
+		})
+	}
+}
+
 // TestSoleWriterLeft: which attachment changes must make a server drop the
 // open files and locks of a volume's clients.
 func TestSoleWriterLeft(t *testing.T) {
@@ -282,6 +308,15 @@ func TestSoleWriterLeft(t *testing.T) {
 		{"first publish", nil, holds(at("a", SingleNodeWriter, "rw")), false},
 		{"nothing changes", holds(at("a", SingleNodeWriter, "rw")), holds(at("a", SingleNodeWriter, "rw")), false},
 		{"unknown mode", holds(Attachment{NodeID: "a", Mode: Mode(99)}), nil, false},
+		{"RWO writer fenced", holds(at("a", SingleNodeWriter, "rw")), holds(fenced(at("a", SingleNodeWriter, "rw"))), true},
+		{"fenced RWO writer unpublished", holds(fenced(at("a", SingleNodeWriter, "rw"))), nil, false},
+		{"fenced RWO writer unfenced", holds(fenced(at("a", SingleNodeWriter, "rw"))), holds(at("a", SingleNodeWriter, "rw")), false},
+		{"MNSW reader fenced, writer stays", holds(at("w", MultiNodeSingleWriter, "rw"), at("r", MultiNodeSingleWriter, "ro")),
+			holds(at("w", MultiNodeSingleWriter, "rw"), fenced(at("r", MultiNodeSingleWriter, "ro"))), false},
+		{"MNSW writer fenced, reader stays", holds(at("w", MultiNodeSingleWriter, "rw"), at("r", MultiNodeSingleWriter, "ro")),
+			holds(fenced(at("w", MultiNodeSingleWriter, "rw")), at("r", MultiNodeSingleWriter, "ro")), true},
+		{"one RWX writer fenced, another stays", holds(at("a", MultiNodeMultiWriter, "rw"), at("b", MultiNodeMultiWriter, "rw")),
+			holds(fenced(at("a", MultiNodeMultiWriter, "rw")), at("b", MultiNodeMultiWriter, "rw")), false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

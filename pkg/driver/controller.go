@@ -835,6 +835,14 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 		s.d.refused(metrics.StageAttach, mode, accessmode.ReasonOtherZone)
 		return nil, err
 	}
+	// Until the attachment is recorded, the fence list cannot change.
+	s.d.fenceGate.RLock()
+	defer s.d.fenceGate.RUnlock()
+	if err := s.d.checkNotFenced(node); err != nil {
+		s.d.refused(metrics.StageAttach, mode, accessmode.ReasonFenced)
+		klog.InfoS("Publish refused: the node is fenced", "volumeID", vol.ID, "node", req.GetNodeId(), "reason", status.Convert(err).Message())
+		return nil, err
+	}
 	if now, err := s.d.followNode(ctx, node, held, vol.ID); err != nil {
 		return nil, err
 	} else if now != nil {
@@ -948,6 +956,8 @@ func (s *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *c
 		return nil, err
 	}
 	if checkNodeZone(node, held) == nil {
+		s.d.fenceGate.RLock()
+		defer s.d.fenceGate.RUnlock()
 		if _, err := s.d.followNode(ctx, node, held, vol.ID); err != nil {
 			return nil, err
 		}

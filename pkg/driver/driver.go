@@ -11,6 +11,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"sync"
 	"sync/atomic"
 
 	"google.golang.org/grpc/status"
@@ -20,6 +21,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/metrics"
 	"github.com/modeguard/modeguard/pkg/mounts"
+	"github.com/modeguard/modeguard/pkg/netfence"
 	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/nodestate"
 	"github.com/modeguard/modeguard/pkg/volumeid"
@@ -76,6 +78,10 @@ type Config struct {
 	// directories; until then Probe answers not ready and every
 	// Controller call UNAVAILABLE.
 	ControllersLater bool
+	// FenceFile is where the controller keeps its network fences
+	// (csi-addons NetworkFence), opened with its backends; empty: it
+	// keeps none, and refuses the NetworkFence calls.
+	FenceFile string
 
 	// Metrics, when set, counts calls and refusals and reads this
 	// driver's volumes, pools and lock files at scrape time; nil is off.
@@ -97,6 +103,13 @@ type Driver struct {
 	controllersReady atomic.Bool
 	// waitingFor is what a Controller call refused meanwhile is told.
 	waitingFor atomic.Pointer[string]
+
+	// fences is the controller's network fences (nil: none kept), set
+	// with cfg.Controllers. fenceGate is held for reading by an attach
+	// from its fence check until its attachment is recorded, and for
+	// writing by a change of the list (see fence.go).
+	fences    *netfence.List
+	fenceGate sync.RWMutex
 }
 
 // New checks the configuration and prepares a driver.
@@ -148,6 +161,11 @@ func New(cfg Config) (*Driver, error) {
 	if cfg.ControllersLater {
 		d.cfg.Controllers = nil
 		d.WaitingFor("the controller's backends are being set up")
+	} else if d.HasRole(RoleController) {
+		if err := d.openFences(cfg.Controllers); err != nil {
+			return nil, err
+		}
+		d.controllersReady.Store(true)
 	} else {
 		d.controllersReady.Store(true)
 	}
@@ -162,6 +180,9 @@ func (d *Driver) setMetricSources() {
 	src := metrics.Sources{}
 	if d.HasRole(RoleController) && d.controllersReady.Load() {
 		src.Controllers = d.cfg.Controllers
+		if l := d.fences; l != nil {
+			src.FencedBlocks = func() int { return len(l.Fences()) }
+		}
 	}
 	if d.state != nil {
 		src.NodeID, src.Holders = d.nodeID, d.state
@@ -183,9 +204,32 @@ func (d *Driver) SetControllers(c map[accessmode.Backend]backend.Controller) err
 	if len(c) == 0 {
 		return fmt.Errorf("the controller role needs at least one backend (e.g. --block-pool ZONE=DIR)")
 	}
+	if err := d.openFences(c); err != nil {
+		return err
+	}
 	d.cfg.Controllers = c
 	d.controllersReady.Store(true)
 	d.setMetricSources()
+	return nil
+}
+
+// openFences reads the network fences the controller keeps, if any, and
+// rebuilds a lost list from the attachments its backends mark fenced.
+func (d *Driver) openFences(ctrls map[accessmode.Backend]backend.Controller) error {
+	if d.cfg.FenceFile == "" {
+		return nil
+	}
+	l, err := netfence.Open(d.cfg.FenceFile)
+	if err != nil {
+		return err
+	}
+	d.fences = l
+	if err := d.recoverFences(ctrls); err != nil {
+		return err
+	}
+	if fences := l.Fences(); len(fences) > 0 {
+		klog.InfoS("Network fences in force", "cidrs", netfence.Blocks(fences), "file", d.cfg.FenceFile)
+	}
 	return nil
 }
 

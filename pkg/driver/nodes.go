@@ -120,6 +120,11 @@ func checkNodeZone(node nodeid.Node, held []*backend.Volume) error {
 // It returns current as it is afterwards (nil if the node holds none).
 func (d *Driver) followNode(ctx context.Context, node nodeid.Node, held []*backend.Volume, current string) (*backend.Volume, error) {
 	id := node.String()
+	// A node that moved into a fenced block is fenced wherever it follows.
+	fenced, err := d.fencedBy(node)
+	if err != nil {
+		return nil, err
+	}
 	var after *backend.Volume
 	for _, v := range held {
 		stale := slices.ContainsFunc(v.Attachments, func(a accessmode.Attachment) bool {
@@ -156,6 +161,7 @@ func (d *Driver) followNode(ctx context.Context, node nodeid.Node, held []*backe
 			if a.Node() == node.Name && a.NodeID != id {
 				from = append(from, a.NodeID)
 				atts[i].NodeID = id
+				atts[i].Fenced = a.Fenced || len(fenced) > 0
 			}
 		}
 		if len(from) == 0 {

@@ -59,6 +59,8 @@ type env struct {
 	// backend wait that long first: a wider window for races between the
 	// driver's check of a node and the record of an attachment.
 	attachDelay time.Duration
+	// fenceFile is the controller's --fence-file ("": none).
+	fenceFile string
 
 	d      *driver.Driver
 	srv    *grpc.Server
@@ -84,7 +86,11 @@ func newEnv(t *testing.T, maxVolumes int64, opts ...func(*env)) *env {
 	for _, o := range opts {
 		o(e)
 	}
-	for _, d := range []string{e.pool, e.stateDir, filepath.Join(root, "staging"), filepath.Join(root, "targets")} {
+	dirs := []string{e.pool, e.stateDir, filepath.Join(root, "staging"), filepath.Join(root, "targets")}
+	if e.fenceFile != "" {
+		dirs = append(dirs, filepath.Dir(e.fenceFile))
+	}
+	for _, d := range dirs {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			t.Fatal(err)
 		}
@@ -137,6 +143,7 @@ func (e *env) start(t *testing.T) {
 		Nodes:             map[accessmode.Backend]backend.Node{accessmode.BackendBlock: node},
 		Metrics:           e.metrics,
 		MountTable:        e.mountTable,
+		FenceFile:         e.fenceFile,
 	})
 	if err != nil {
 		t.Fatal(err)

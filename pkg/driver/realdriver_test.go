@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/csi-addons/spec/lib/go/fence"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -686,7 +687,7 @@ func captureKlog(t *testing.T) *syncBuffer {
 }
 
 func TestSecretsNeverLogged(t *testing.T) {
-	e := newEnv(t, 0)
+	e := newEnv(t, 0, withFenceFile)
 	logs := captureKlog(t)
 	const canary = "s3cr3t-canary"
 	secrets := map[string]string{"password": canary, "token": "x-" + canary + "-y"}
@@ -748,6 +749,15 @@ func TestSecretsNeverLogged(t *testing.T) {
 		VolumeId: volID, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * volumeSize}, Secrets: secrets}); err != nil {
 		t.Fatalf("ControllerExpandVolume: %v", err)
 	}
+	// csi-addons' fence requests carry secrets too. The fence is lifted
+	// at once: this node states no address, so no publish could follow.
+	fc := fence.NewFenceControllerClient(e.conn)
+	if _, err := fc.FenceClusterNetwork(ctx(t), &fence.FenceClusterNetworkRequest{Cidrs: cidrs("192.0.2.0/24"), Secrets: secrets}); status.Code(err) != codes.FailedPrecondition {
+		t.Errorf("FenceClusterNetwork with a node without address attached: %v, want FAILED_PRECONDITION", err)
+	}
+	if _, err := fc.UnfenceClusterNetwork(ctx(t), &fence.UnfenceClusterNetworkRequest{Cidrs: cidrs("192.0.2.0/24"), Secrets: secrets}); err != nil {
+		t.Fatalf("UnfenceClusterNetwork: %v", err)
+	}
 
 	klog.Flush()
 	out := logs.String()
@@ -761,6 +771,7 @@ func TestSecretsNeverLogged(t *testing.T) {
 	for _, m := range []string{
 		"/csi.v1.Controller/CreateVolume", "/csi.v1.Controller/ControllerPublishVolume", "/csi.v1.Controller/ControllerExpandVolume",
 		"/csi.v1.Node/NodeStageVolume", "/csi.v1.Node/NodePublishVolume",
+		"/fence.FenceController/FenceClusterNetwork", "/fence.FenceController/UnfenceClusterNetwork",
 		"***stripped***", // the secrets were in the logged requests, replaced
 		"secret-vol",     // and the requests were logged with their other fields
 	} {

@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/csi-addons/spec/lib/go/fence"
+	"github.com/csi-addons/spec/lib/go/identity"
 	"github.com/kubernetes-csi/csi-lib-utils/protosanitizer"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -83,6 +85,9 @@ func (d *Driver) NewGRPCServer() *grpc.Server {
 	if d.HasRole(RoleController) {
 		csi.RegisterControllerServer(srv, &controllerServer{d: d})
 		csi.RegisterGroupControllerServer(srv, &groupControllerServer{d: d})
+		// csi-addons: its sidecar dials the same endpoint.
+		identity.RegisterIdentityServer(srv, &addonsIdentityServer{d: d})
+		fence.RegisterFenceControllerServer(srv, &fenceServer{d: d})
 	}
 	if d.HasRole(RoleNode) {
 		csi.RegisterNodeServer(srv, &nodeServer{d: d})
@@ -94,7 +99,8 @@ func (d *Driver) NewGRPCServer() *grpc.Server {
 // until the controller's backends are there: the state they read is not
 // this process's to act on before it holds the controller lock.
 func (d *Driver) controllerGate(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-	controllerCall := strings.HasPrefix(info.FullMethod, "/csi.v1.Controller/") || strings.HasPrefix(info.FullMethod, "/csi.v1.GroupController/")
+	controllerCall := strings.HasPrefix(info.FullMethod, "/csi.v1.Controller/") || strings.HasPrefix(info.FullMethod, "/csi.v1.GroupController/") ||
+		strings.HasPrefix(info.FullMethod, "/fence.FenceController/")
 	if controllerCall && !d.controllersReady.Load() {
 		why := "the controller is starting"
 		if w := d.waitingFor.Load(); w != nil {

@@ -39,6 +39,8 @@ type Attachment struct {
 	Node     string `json:"node"`
 	Mode     string `json:"mode"`
 	ReadOnly bool   `json:"readOnly"`
+	// Fenced: a network fence cuts the node off the volume's storage.
+	Fenced bool `json:"fenced,omitempty"`
 }
 
 // Workload is one target path holding the volume on a node.
@@ -209,7 +211,7 @@ func fromRecord(rec *backend.Volume, exportDir string) *Volume {
 		v.Modes = append(v.Modes, accessmode.Name(m))
 	}
 	for _, a := range rec.Attachments {
-		v.Attachments = append(v.Attachments, Attachment{Node: a.NodeID, Mode: accessmode.Name(a.Mode), ReadOnly: a.ReadOnly})
+		v.Attachments = append(v.Attachments, Attachment{Node: a.NodeID, Mode: accessmode.Name(a.Mode), ReadOnly: a.ReadOnly, Fenced: a.Fenced})
 	}
 	return v
 }
@@ -336,7 +338,11 @@ func (r *Report) WriteText(w io.Writer) {
 			fmt.Fprintln(w, "  attached to: nobody")
 		}
 		for _, a := range v.Attachments {
-			fmt.Fprintf(w, "  attached to: %s (%s, %s)\n", a.Node, a.Mode, rwText(a.ReadOnly))
+			fenced := ""
+			if a.Fenced {
+				fenced = ", fenced: the storage serves it nothing until the fence is lifted"
+			}
+			fmt.Fprintf(w, "  attached to: %s (%s, %s%s)\n", a.Node, a.Mode, rwText(a.ReadOnly), fenced)
 		}
 		for _, h := range v.Holds {
 			if h.StagingPath != "" {

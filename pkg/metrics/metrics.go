@@ -59,7 +59,7 @@ const scrapeTimeout = 10 * time.Second
 var refusalsByStage = map[string][]string{
 	StageAttach: {
 		accessmode.ReasonHeldByOtherNode, accessmode.ReasonWriterLimit, accessmode.ReasonPublishedWithOtherArguments,
-		accessmode.ReasonOtherZone, accessmode.ReasonAttachLimit, accessmode.ReasonModeNotAllowed,
+		accessmode.ReasonOtherZone, accessmode.ReasonAttachLimit, accessmode.ReasonModeNotAllowed, accessmode.ReasonFenced,
 	},
 	StageStage: {accessmode.ReasonBeyondNodeMode},
 	StagePublish: {
@@ -139,6 +139,9 @@ type Sources struct {
 	Controllers map[accessmode.Backend]backend.Controller
 	NodeID      string
 	Holders     HolderLister
+	// FencedBlocks counts the network fences in force (nil: the
+	// controller keeps none).
+	FencedBlocks func() int
 }
 
 // HolderLister reads a node's lock files (nodestate.Store).
@@ -228,6 +231,7 @@ type stateCollector struct {
 	volumes, exports                  *prometheus.Desc
 	poolSize, poolFree, poolCommitted *prometheus.Desc
 	holders, staged                   *prometheus.Desc
+	fencedAttachments, fences         *prometheus.Desc
 
 	mu      sync.Mutex
 	sources Sources
@@ -251,6 +255,10 @@ func newStateCollector() *stateCollector {
 			"Workloads (target paths) holding volumes on this node, from its lock files.", []string{"node"}, nil),
 		staged: prometheus.NewDesc(name("node_staged_volumes"),
 			"Volumes staged on this node, from its lock files.", []string{"node"}, nil),
+		fencedAttachments: prometheus.NewDesc(name("fenced_attachments"),
+			"Attachments whose node a network fence cuts off the storage: still attached for the CO, served nothing.", []string{"backend"}, nil),
+		fences: prometheus.NewDesc(name("network_fences"),
+			"CIDR blocks fenced off the storage (csi-addons NetworkFence).", nil, nil),
 	}
 }
 
@@ -261,7 +269,7 @@ func (c *stateCollector) set(s Sources) {
 }
 
 func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.volumes, c.exports, c.poolSize, c.poolFree, c.poolCommitted, c.holders, c.staged} {
+	for _, d := range []*prometheus.Desc{c.volumes, c.exports, c.poolSize, c.poolFree, c.poolCommitted, c.holders, c.staged, c.fencedAttachments, c.fences} {
 		ch <- d
 	}
 }
@@ -277,6 +285,9 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	if s.Holders != nil {
 		c.collectHolders(ch, s.NodeID, s.Holders)
+	}
+	if s.FencedBlocks != nil {
+		ch <- prometheus.MustNewConstMetric(c.fences, prometheus.GaugeValue, float64(s.FencedBlocks()))
 	}
 }
 
@@ -294,11 +305,14 @@ func (c *stateCollector) collectBackend(ctx context.Context, ch chan<- prometheu
 			attached bool
 		}
 		counts := map[key]int{}
+		fenced := 0
 		for _, v := range vols {
 			for _, mode := range v.Modes {
 				counts[key{mode, len(v.Attachments) > 0}]++
 			}
+			fenced += len(v.Attachments) - len(accessmode.Served(v.Attachments))
 		}
+		gauge(c.fencedAttachments, float64(fenced), string(b))
 		// Every mode and state, zeros included, so a series never
 		// vanishes when its last volume goes.
 		for _, mode := range accessmode.All {

@@ -121,8 +121,10 @@ func TestStateIsReadAtScrapeTime(t *testing.T) {
 		pools: []backend.PoolStats{{Zone: "zone-a", SizeBytes: 100, FreeBytes: 60, CommittedBytes: 30}},
 	}
 	nfsCtrl := &fakeController{
-		name:  accessmode.BackendNFS,
-		vols:  []*backend.Volume{attached(accessmode.MultiNodeMultiWriter), available(accessmode.MultiNodeMultiWriter)},
+		name: accessmode.BackendNFS,
+		vols: []*backend.Volume{attached(accessmode.MultiNodeMultiWriter), available(accessmode.MultiNodeMultiWriter),
+			{Modes: []accessmode.Mode{accessmode.MultiNodeMultiWriter}, Attachments: []accessmode.Attachment{
+				{NodeID: "a@z", Fenced: true}, {NodeID: "b@z"}, {NodeID: "c@z", Fenced: true}}}},
 		pools: []backend.PoolStats{{SizeBytes: 1000, FreeBytes: 900, CommittedBytes: 50}},
 	}
 	m.SetSources(Sources{
@@ -132,6 +134,7 @@ func TestStateIsReadAtScrapeTime(t *testing.T) {
 			{Staged: &backend.Staged{}, Holders: []accessmode.Holder{{TargetPath: "/a"}, {TargetPath: "/b"}}},
 			{Staged: &backend.Staged{}},
 		},
+		FencedBlocks: func() int { return 3 },
 	})
 	expected := `
 # HELP modeguard_node_staged_volumes Volumes staged on this node, from its lock files.
@@ -142,14 +145,22 @@ modeguard_node_staged_volumes{node="node-1@zone-a"} 2
 modeguard_node_volume_holders{node="node-1@zone-a"} 2
 # HELP modeguard_nfs_exports nfs-ganesha exports the controller serves: one per NFS volume.
 # TYPE modeguard_nfs_exports gauge
-modeguard_nfs_exports 2
+modeguard_nfs_exports 3
+# HELP modeguard_fenced_attachments Attachments whose node a network fence cuts off the storage: still attached for the CO, served nothing.
+# TYPE modeguard_fenced_attachments gauge
+modeguard_fenced_attachments{backend="block"} 0
+modeguard_fenced_attachments{backend="nfs"} 2
+# HELP modeguard_network_fences CIDR blocks fenced off the storage (csi-addons NetworkFence).
+# TYPE modeguard_network_fences gauge
+modeguard_network_fences 3
 # HELP modeguard_pool_free_bytes Bytes still free on the filesystem a pool lives on.
 # TYPE modeguard_pool_free_bytes gauge
 modeguard_pool_free_bytes{backend="block",zone="zone-a"} 60
 modeguard_pool_free_bytes{backend="nfs",zone=""} 900
 `
 	if err := testutil.GatherAndCompare(m.reg, strings.NewReader(expected),
-		"modeguard_node_staged_volumes", "modeguard_node_volume_holders", "modeguard_nfs_exports", "modeguard_pool_free_bytes"); err != nil {
+		"modeguard_node_staged_volumes", "modeguard_node_volume_holders", "modeguard_nfs_exports", "modeguard_pool_free_bytes",
+		"modeguard_fenced_attachments", "modeguard_network_fences"); err != nil {
 		t.Error(err)
 	}
 	families, err := m.reg.Gather()
@@ -177,7 +188,7 @@ modeguard_pool_free_bytes{backend="nfs",zone=""} 900
 		"block/SINGLE_NODE_SINGLE_WRITER/available": 2,
 		"block/SINGLE_NODE_MULTI_WRITER/available":  1,
 		"block/SINGLE_NODE_MULTI_WRITER/attached":   0,
-		"nfs/MULTI_NODE_MULTI_WRITER/attached":      1,
+		"nfs/MULTI_NODE_MULTI_WRITER/attached":      2,
 		"nfs/MULTI_NODE_MULTI_WRITER/available":     1,
 		"block/MULTI_NODE_READER_ONLY/available":    0,
 	} {
@@ -191,7 +202,7 @@ modeguard_pool_free_bytes{backend="nfs",zone=""} 900
 	if err := testutil.GatherAndCompare(m.reg, strings.NewReader(`
 # HELP modeguard_nfs_exports nfs-ganesha exports the controller serves: one per NFS volume.
 # TYPE modeguard_nfs_exports gauge
-modeguard_nfs_exports 2
+modeguard_nfs_exports 3
 `), "modeguard_nfs_exports"); err != nil {
 		t.Error(err)
 	}

@@ -35,6 +35,34 @@ func publishedTo(t *testing.T, cc csi.ControllerClient, volID string) []string {
 	return resp.GetStatus().GetPublishedNodeIds()
 }
 
+// exportClients asks the ganesha of a controller (its --nfs-ganesha-dir)
+// over its bus which clients the volume's export has, as "address RW|RO",
+// sorted: none when there is no export, as for a volume no node holds.
+func exportClients(ctx context.Context, t *testing.T, ganeshaDir, volID string) []string {
+	t.Helper()
+	control, err := ganesha.Dial("unix:path=" + filepath.Join(ganeshaDir, ganesha.BusSocketName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer control.Close()
+	exports, err := control.Exports(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := strings.NewReplacer(":", "_").Replace(volID)
+	for _, e := range exports {
+		if filepath.Base(e.Path) == dir {
+			out := []string{}
+			for _, c := range e.Clients {
+				out = append(out, c.Address.String()+" "+c.Access)
+			}
+			slices.Sort(out)
+			return out
+		}
+	}
+	return []string{}
+}
+
 // TestBlockNodeComesBackUnderANewAddress: the node plugin restarts with
 // another --node-address, so its id changes. The kubelet's replayed calls
 // find the volume's data; the controller matches the node by its name, so
@@ -144,32 +172,7 @@ func TestNFSNodeComesBackUnderANewAddress(t *testing.T) {
 	defer cancel()
 	ctrl := testenv.StartNFSController(ctx, t, bin, net.Server.Path, net.Server.Addr.String(), "--nfs-pool-size", "1Gi")
 	gdir := ctrl.GaneshaDir
-	// clients asks ganesha over its bus which clients the volume's export
-	// has: none when there is no export, as for a volume no node holds.
-	clients := func(volID string) []string {
-		t.Helper()
-		control, err := ganesha.Dial("unix:path=" + filepath.Join(gdir, ganesha.BusSocketName))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer control.Close()
-		exports, err := control.Exports(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		dir := strings.NewReplacer(":", "_").Replace(volID)
-		for _, e := range exports {
-			if filepath.Base(e.Path) == dir {
-				out := []string{}
-				for _, c := range e.Clients {
-					out = append(out, c.Address.String()+" "+c.Access)
-				}
-				slices.Sort(out)
-				return out
-			}
-		}
-		return []string{}
-	}
+	clients := func(volID string) []string { t.Helper(); return exportClients(ctx, t, gdir, volID) }
 	payload := filepath.Join(work, "payload")
 	if err := os.WriteFile(payload, []byte("written over NFS"), 0o644); err != nil {
 		t.Fatal(err)

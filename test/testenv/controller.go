@@ -98,6 +98,10 @@ func (c *Controller) Start(ctx context.Context) {
 	}
 }
 
+// Conn is the connection to the controller's endpoint, for the services
+// it serves besides CSI's (csi-addons); a Stop closes it.
+func (c *Controller) Conn() *grpc.ClientConn { return c.conn }
+
 // Kill stops the controller with SIGKILL, as a crash would. Its ganesha
 // and bus get their parent-death signal and die with it (WaitNFSServerGone
 // waits for that); the next Start brings up a new ganesha on the same

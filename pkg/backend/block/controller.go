@@ -578,7 +578,25 @@ func (c *Controller) deleteObject(id volumeid.ID, kind volumeid.Kind) error {
 
 // SetAttachments records which nodes hold the volume. Nodes read this at
 // stage time, so recording it is what makes an attachment effective.
+//
+// A fenced attachment is refused: a node reaches a pool's image through
+// its own loop device on storage every node of the zone shares, and
+// nothing on the storage side can keep it from writing. A storage target
+// (package served) can, and records through RecordAttachments.
 func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachments []accessmode.Attachment) (*backend.Volume, error) {
+	for _, a := range attachments {
+		if a.Fenced {
+			return nil, status.Errorf(codes.FailedPrecondition,
+				"volume %s cannot be fenced from node %s: it is reached through a loop device on a pool every node of zone %s shares, where nothing but the node itself decides what it writes; serve the zone from a storage target (--block-target) to fence at the storage",
+				id, a.Node(), id.Zone)
+		}
+	}
+	return c.RecordAttachments(ctx, id, attachments)
+}
+
+// RecordAttachments records which nodes hold the volume, fenced or not,
+// for a caller that makes them effective itself (a storage target).
+func (c *Controller) RecordAttachments(ctx context.Context, id volumeid.ID, attachments []accessmode.Attachment) (*backend.Volume, error) {
 	return c.updateVolume(ctx, id, func(v *backend.Volume) (bool, error) {
 		v.Attachments = slices.Clone(attachments)
 		if len(v.Attachments) == 0 {

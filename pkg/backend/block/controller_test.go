@@ -299,6 +299,27 @@ func TestSetAttachmentsIsRecordedInTheMetadata(t *testing.T) {
 	}
 	_, err = f.ctrl.SetAttachments(ctx, volID(t, "zone-a", "absent"), atts)
 	wantCode(t, err, codes.NotFound)
+
+	// A node reaches the shared pool through its own loop device: a
+	// fence cannot be kept here, and is refused rather than recorded.
+	fenced := writer("n1")
+	fenced.Fenced = true
+	_, err = f.ctrl.SetAttachments(ctx, spec.ID, []accessmode.Attachment{fenced})
+	wantCode(t, err, codes.FailedPrecondition)
+	if !strings.Contains(err.Error(), "--block-target") {
+		t.Errorf("the refusal of a fence does not say where fences hold: %v", err)
+	}
+	onDisk, _ = f.node.readVolume(f.node.pools["zone-a"], spec.ID)
+	if len(onDisk.Attachments) != 0 {
+		t.Fatalf("a refused fence was recorded: %+v", onDisk.Attachments)
+	}
+	// A storage target keeps it (and fences at its target).
+	if v, err := f.ctrl.RecordAttachments(ctx, spec.ID, []accessmode.Attachment{fenced}); err != nil || !v.Attachments[0].Fenced {
+		t.Fatalf("RecordAttachments of a fenced attachment: %+v, %v", v, err)
+	}
+	if _, err := f.ctrl.RecordAttachments(ctx, spec.ID, nil); err != nil {
+		t.Fatal(err)
+	}
 }
 
 func TestDeleteVolumeRemovesEverythingAndIsIdempotent(t *testing.T) {

@@ -119,6 +119,13 @@
 //     Debian 12's kernel builds NVMe in-band authentication out, and an
 //     NVMe host NQN is whatever the host says it is.
 //
+// A network fence (csi-addons NetworkFence, package netfence) is the same
+// fence made without the CO: the fenced node's attachments stay recorded,
+// marked fenced, and the target leaves it off the access list, which ends
+// its sessions. Over the loop transport nothing on the storage side can
+// fence a node, so SetAttachments refuses a fenced attachment with that
+// reason, and the fence call fails for such a volume.
+//
 // What NVMe/TCP does better (no iscsid on the node, one write to
 // /dev/nvme-fabrics to connect, native multipath) does not outweigh a
 // read-only mode the target cannot enforce.

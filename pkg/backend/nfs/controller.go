@@ -306,7 +306,27 @@ func (c *Controller) load() error {
 // now. Any other volume waits for its first publish, which mounts its
 // storage and exports it then: with the image storage each served volume
 // costs a loop device and a mount, and only published ones need them.
-func servedAtStart(rec *volumeRecord) bool { return len(rec.Volume.Attachments) > 0 }
+// A volume whose every node is fenced is served to nobody.
+func servedAtStart(rec *volumeRecord) bool { return exported(&rec.Volume) }
+
+// exported reports whether the volume has an export: whether some node it
+// is attached to is not fenced (accessmode.Served).
+func exported(v *backend.Volume) bool { return len(accessmode.Served(v.Attachments)) > 0 }
+
+// losesClient reports whether a node served under old is not under now:
+// unpublished, or fenced.
+func losesClient(old, now []accessmode.Attachment) bool {
+	stays := map[string]bool{}
+	for _, a := range accessmode.Served(now) {
+		stays[a.Node()] = true
+	}
+	for _, a := range accessmode.Served(old) {
+		if !stays[a.Node()] {
+			return true
+		}
+	}
+	return false
+}
 
 // prepareOffline restores the storage of the volumes served at start and
 // renders their export files, removing every other export file: a file
@@ -426,7 +446,7 @@ func (c *Controller) export(rec *volumeRecord) (ganesha.Export, error) {
 		ID: rec.ExportID, Path: c.dir(c.volumeRel(id)), Pseudo: pseudo(id),
 		Squash: squashOf(&rec.Volume), Comment: "modeguard volume " + rec.Volume.ID,
 	}
-	for _, a := range rec.Volume.Attachments {
+	for _, a := range accessmode.Served(rec.Volume.Attachments) {
 		n, err := nodeid.Parse(a.NodeID)
 		if err != nil || n.Address == "" {
 			return ganesha.Export{}, status.Errorf(codes.FailedPrecondition,
@@ -981,7 +1001,7 @@ func (c *Controller) finishRemoval(ctx context.Context, id string, r *removal) e
 }
 
 // SetAttachments records the nodes and makes the export's client list
-// exactly their addresses. If ganesha cannot be told, the record is put back,
+// exactly their addresses, but for the fenced ones. If ganesha cannot be told, the record is put back,
 // so a retried publish or unpublish does the work again.
 func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachments []accessmode.Attachment) (*backend.Volume, error) {
 	rec, err := c.record(id)
@@ -1009,14 +1029,14 @@ func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachm
 	fpAttachmentsRecorded.Hit()
 	serve := c.applyExport
 	switch {
-	case len(attachments) == 0:
+	case !exported(&rec.Volume):
 		// Unexporting drops every client's open files and locks on it.
 		serve = c.withdrawExport
 	case accessmode.SoleWriterLeft(old.Volume.Attachments, attachments):
 		serve = c.reexport
 	}
 	if err := serve(ctx, rec); err != nil {
-		if len(attachments) < len(old.Volume.Attachments) {
+		if losesClient(old.Volume.Attachments, attachments) {
 			// A node was leaving: the record keeps it, so that a retried
 			// unpublish does the work again, but ganesha is not told to
 			// serve it again. Whatever ganesha serves now (the old clients,
@@ -1043,15 +1063,15 @@ func (c *Controller) ModifyVolume(ctx context.Context, id volumeid.ID, mutable m
 	}
 	old := *rec
 	rec.Volume.MutableParameters = backend.WithMutable(rec.Volume.MutableParameters, mutable)
-	exported := len(rec.Volume.Attachments) > 0
-	if maps.Equal(rec.Volume.MutableParameters, old.Volume.MutableParameters) && !exported {
+	served := exported(&rec.Volume)
+	if maps.Equal(rec.Volume.MutableParameters, old.Volume.MutableParameters) && !served {
 		out := rec.Volume
 		return &out, nil
 	}
 	if err := fsutil.WriteJSONAtomic(c.volumeMeta(id), rec); err != nil {
 		return nil, status.Errorf(codes.Internal, "recording the attributes of %s: %v", id, err)
 	}
-	if exported {
+	if served {
 		err := c.applyExport(ctx, rec)
 		if err == nil {
 			err = c.checkSquash(ctx, rec)
@@ -1100,7 +1120,7 @@ func (c *Controller) keep(rec *volumeRecord) *backend.Volume {
 // does the work again.
 func (c *Controller) putBack(ctx context.Context, id volumeid.ID, old *volumeRecord) {
 	c.putBackRecord(id, old)
-	if len(old.Volume.Attachments) > 0 {
+	if exported(&old.Volume) {
 		if err := c.applyExport(ctx, old); err != nil {
 			klog.ErrorS(err, "Restoring an export after ganesha refused a change", "volumeID", id)
 		}
@@ -1279,7 +1299,7 @@ func (c *Controller) ClientList(id volumeid.ID) ([]ganesha.ClientRule, error) {
 // clientList is the export's clients as a log value: "10.0.0.11 RW, ...".
 func clientList(rec *volumeRecord) string {
 	var out []string
-	for _, a := range rec.Volume.Attachments {
+	for _, a := range accessmode.Served(rec.Volume.Attachments) {
 		n, err := nodeid.Parse(a.NodeID)
 		if err != nil {
 			continue

@@ -158,10 +158,11 @@ func (c *Controller) withContext(v *backend.Volume) *backend.Volume {
 }
 
 // initiators is the access list for attachments: every attached node's
-// initiator name, read-only as attached, with its CHAP secret.
+// initiator name, read-only as attached, with its CHAP secret; a fenced
+// node is left off, which ends its sessions (lio.Target.SetInitiators).
 func (c *Controller) initiators(attachments []accessmode.Attachment) ([]lio.Initiator, error) {
 	var list []lio.Initiator
-	for _, a := range attachments {
+	for _, a := range accessmode.Served(attachments) {
 		n, err := nodeid.Parse(a.NodeID)
 		if err != nil {
 			return nil, status.Errorf(codes.InvalidArgument, "attachment to %q: %v", a.NodeID, err)
@@ -234,7 +235,7 @@ func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachm
 	if err := c.serve(ctx, old, id, attachments); err != nil {
 		return nil, err
 	}
-	v, err := c.Controller.SetAttachments(ctx, id, attachments)
+	v, err := c.Controller.RecordAttachments(ctx, id, attachments)
 	if err != nil {
 		if rerr := c.serve(context.WithoutCancel(ctx), old, id, old.Attachments); rerr != nil {
 			klog.ErrorS(rerr, "Setting the iSCSI access list back to the record after the record could not be written", "volume", id.String())

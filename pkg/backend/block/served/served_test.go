@@ -32,6 +32,15 @@ func TestInitiatorsOfAttachments(t *testing.T) {
 	if err != nil || len(got) != 1 || got[0] != want[0] {
 		t.Fatalf("initiators = %+v, %v; want %+v", got, err, want)
 	}
+	// A fenced node is left off the list, whatever it reports.
+	got, err = c.initiators([]accessmode.Attachment{
+		{NodeID: "worker-1@zone-a@10.0.0.1@64@iqn.2026-11.io.example:worker-1", Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true},
+		{NodeID: "worker-2@zone-a@10.0.0.2@64@iqn.2026-11.io.example:worker-2", Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true, Fenced: true},
+		{NodeID: "worker-4@zone-a@10.0.0.4", Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true, Fenced: true},
+	})
+	if err != nil || len(got) != 1 || got[0] != want[0] {
+		t.Fatalf("initiators with fenced nodes = %+v, %v; want %+v", got, err, want)
+	}
 	for _, tc := range []struct{ name, nodeID, want string }{
 		{"no initiator name", "worker-1@zone-a@10.0.0.1@64", "--iscsi-initiator-name-file"},
 		{"no secret", "worker-2@zone-a@@@iqn.2026-11.io.example:worker-2", "no CHAP secret"},

@@ -1,0 +1,246 @@
+// Package netfence keeps the controller's network fences: the CIDR blocks
+// an operator's automation (csi-addons NetworkFence) has cut off from the
+// storage. A node is fenced while its address lies in a fenced block, and
+// stays fenced under a new address once a fence has caught it: a node that
+// comes back from a partition with another DHCP lease must not slip out of
+// a fence its operator has not lifted.
+//
+// The list is a file written atomically on every change, before the change
+// is acted on, so that a controller that restarts half way refuses the
+// same attachments as before.
+package netfence
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/modeguard/modeguard/pkg/fsutil"
+	"github.com/modeguard/modeguard/pkg/nodeid"
+)
+
+// MaxFences bounds the list: a fence is a block of addresses, and even a
+// large cluster fences a few at a time.
+const MaxFences = 1024
+
+// Fence is one fenced block of addresses.
+type Fence struct {
+	CIDR netip.Prefix `json:"cidr"`
+	// Nodes are the keys of the nodes whose address lay in CIDR when the
+	// controller saw them while the fence was in force, sorted.
+	Nodes []string  `json:"nodes,omitempty"`
+	Since time.Time `json:"since"`
+}
+
+// ParseCIDRs reads CIDR blocks as a NetworkFence names them
+// ("10.90.89.66/32", "2001:db8::/64"): each a plain IPv4 or IPv6 prefix
+// with no bits set past its length, so that what an operator wrote is
+// exactly what is fenced. The result is sorted, without repeats.
+func ParseCIDRs(cidrs []string) ([]netip.Prefix, error) {
+	if len(cidrs) == 0 {
+		return nil, errors.New("no CIDR block given; name at least one, e.g. 10.90.89.66/32")
+	}
+	if len(cidrs) > MaxFences {
+		return nil, fmt.Errorf("%d CIDR blocks given; at most %d", len(cidrs), MaxFences)
+	}
+	var out []netip.Prefix
+	for _, s := range cidrs {
+		p, err := ParseCIDR(s)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, p)
+	}
+	slices.SortFunc(out, comparePrefix)
+	return slices.Compact(out), nil
+}
+
+// ParseCIDR reads one CIDR block (see ParseCIDRs).
+func ParseCIDR(s string) (netip.Prefix, error) {
+	if s == "" {
+		return netip.Prefix{}, errors.New("empty CIDR block; accepted: an IPv4 or IPv6 prefix such as 10.90.89.66/32 or 2001:db8::/64")
+	}
+	if !strings.Contains(s, "/") {
+		if a, err := netip.ParseAddr(s); err == nil && a.Zone() == "" {
+			return netip.Prefix{}, fmt.Errorf("%q is an address, not a CIDR block; for that address alone write %s", s, netip.PrefixFrom(a, a.BitLen()))
+		}
+	}
+	p, err := netip.ParsePrefix(s)
+	if err != nil {
+		return netip.Prefix{}, fmt.Errorf("%q is not a CIDR block (accepted: an IPv4 or IPv6 prefix such as 10.90.89.66/32 or 2001:db8::/64): %v", s, err)
+	}
+	if p.Addr().Is4In6() {
+		return netip.Prefix{}, fmt.Errorf("%q is an IPv4-mapped IPv6 block; nodes report IPv4 addresses as such: write the IPv4 block", s)
+	}
+	if p.Masked() != p {
+		return netip.Prefix{}, fmt.Errorf("%q has bits set past its /%d prefix; write the block as %s (or the address alone as %s)",
+			s, p.Bits(), p.Masked(), netip.PrefixFrom(p.Addr(), p.Addr().BitLen()))
+	}
+	return p, nil
+}
+
+func comparePrefix(a, b netip.Prefix) int {
+	if c := a.Addr().Compare(b.Addr()); c != 0 {
+		return c
+	}
+	return a.Bits() - b.Bits()
+}
+
+// List is the controller's fences, kept in a file.
+type List struct {
+	path string
+
+	mu     sync.Mutex
+	fences []Fence // sorted by CIDR
+	// missing: there was no file at Open, and nothing has been stored
+	// since. An empty list that was written is not missing.
+	missing bool
+}
+
+// Open reads the list kept at path; a missing file is an empty list.
+func Open(path string) (*List, error) {
+	l := &List{path: path}
+	var stored struct {
+		Fences []Fence `json:"fences"`
+	}
+	err := fsutil.ReadJSON(path, &stored)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		l.missing = true
+		return l, nil
+	case err != nil:
+		return nil, fmt.Errorf("reading the network fences in %s: %w", path, err)
+	}
+	for _, f := range stored.Fences {
+		if !f.CIDR.IsValid() || f.CIDR.Masked() != f.CIDR {
+			return nil, fmt.Errorf("the network fences in %s hold %q, which is not a CIDR block", path, f.CIDR)
+		}
+	}
+	l.fences = stored.Fences
+	slices.SortFunc(l.fences, func(a, b Fence) int { return comparePrefix(a.CIDR, b.CIDR) })
+	return l, nil
+}
+
+// Missing reports whether the list's file did not exist at Open and
+// nothing has been written since: a controller that finds fenced
+// attachments then knows the list was lost, not emptied.
+func (l *List) Missing() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.missing
+}
+
+// Path is the file the list is kept in.
+func (l *List) Path() string { return l.path }
+
+// Fences returns a copy of the list, sorted by block.
+func (l *List) Fences() []Fence {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := make([]Fence, len(l.fences))
+	for i, f := range l.fences {
+		out[i] = f
+		out[i].Nodes = slices.Clone(f.Nodes)
+	}
+	return out
+}
+
+// Add fences the blocks (a block fenced already stays as it is) and
+// persists the list before it returns.
+func (l *List) Add(blocks []netip.Prefix, now time.Time) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	next := slices.Clone(l.fences)
+	for _, b := range blocks {
+		if !slices.ContainsFunc(next, func(f Fence) bool { return f.CIDR == b }) {
+			next = append(next, Fence{CIDR: b, Since: now.UTC()})
+		}
+	}
+	if len(next) > MaxFences {
+		return fmt.Errorf("%d blocks would be fenced; at most %d: lift some fences first", len(next), MaxFences)
+	}
+	slices.SortFunc(next, func(a, b Fence) int { return comparePrefix(a.CIDR, b.CIDR) })
+	return l.store(next)
+}
+
+// Remove lifts the fences on exactly these blocks (a block not fenced is
+// fine) and persists the list before it returns.
+func (l *List) Remove(blocks []netip.Prefix) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	next := slices.DeleteFunc(slices.Clone(l.fences), func(f Fence) bool { return slices.Contains(blocks, f.CIDR) })
+	if len(next) == len(l.fences) {
+		return nil
+	}
+	return l.store(next)
+}
+
+// Catch decides whether node is fenced, and when it is by its address,
+// records its key in every fence whose block holds that address, so that
+// the node stays fenced under any other address until those fences are
+// lifted. It returns the blocks that fence it, or nil.
+func (l *List) Catch(node nodeid.Node) ([]netip.Prefix, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	by, next := fencedBy(l.fences, node)
+	if next == nil {
+		return by, nil
+	}
+	if err := l.store(next); err != nil {
+		return nil, err
+	}
+	return by, nil
+}
+
+// fencedBy is the blocks that fence node among fences: those that hold its
+// address or have caught it before. When a block holds the address but
+// has not recorded the node yet, next is the list with it recorded (else
+// nil: nothing to write).
+func fencedBy(fences []Fence, node nodeid.Node) (by []netip.Prefix, next []Fence) {
+	addr, _ := netip.ParseAddr(node.Address)
+	for i, f := range fences {
+		caught := slices.Contains(f.Nodes, node.Name)
+		holds := addr.IsValid() && f.CIDR.Contains(addr)
+		if !caught && !holds {
+			continue
+		}
+		by = append(by, f.CIDR)
+		if holds && !caught {
+			if next == nil {
+				next = slices.Clone(fences)
+			}
+			nodes := append(slices.Clone(f.Nodes), node.Name)
+			slices.Sort(nodes)
+			next[i].Nodes = nodes
+		}
+	}
+	return by, next
+}
+
+// store writes next and makes it the list.
+func (l *List) store(next []Fence) error {
+	if next == nil {
+		next = []Fence{}
+	}
+	if err := fsutil.WriteJSONAtomic(l.path, struct {
+		Fences []Fence `json:"fences"`
+	}{next}); err != nil {
+		return fmt.Errorf("recording the network fences in %s: %w", l.path, err)
+	}
+	l.fences, l.missing = next, false
+	return nil
+}
+
+// Blocks lists the fenced blocks as strings, sorted.
+func Blocks(fences []Fence) []string {
+	out := make([]string, len(fences))
+	for i, f := range fences {
+		out[i] = f.CIDR.String()
+	}
+	return out
+}
