@@ -207,6 +207,169 @@ func TestChartISCSIIsTheISCSIOverlay(t *testing.T) {
 	compare(t, helmTemplate(t, "--set", "createNamespace=true", "--set", "iscsi.enabled=true"), overlay)
 }
 
+// TestChartCSIAddonsIsTheCSIAddonsOverlay: the chart with csiAddons.enabled
+// renders what overlays/csi-addons (the base and components/csi-addons)
+// does, object for object: the csi-addons sidecar on the driver's socket,
+// the controller keeping its fence list on a host directory, the sidecar's
+// RBAC and the Secret its NetworkFences name. The same holds with
+// components/iscsi as well, the block transport a fence can cut off.
+func TestChartCSIAddonsIsTheCSIAddonsOverlay(t *testing.T) {
+	kustomize := tool(t, "KUSTOMIZE", "kustomize")
+	overlay := objects(t, run(t, kustomize, "build", filepath.Join(repo(t), "deploy", "kubernetes", "overlays", "csi-addons")))
+	for _, key := range []string{
+		"ClusterRole/<nil>/modeguard-csi-addons", "ClusterRoleBinding/<nil>/modeguard-csi-addons",
+		"Role/modeguard/modeguard-csi-addons", "RoleBinding/modeguard/modeguard-csi-addons",
+		"Secret/modeguard/modeguard-networkfence",
+	} {
+		if _, ok := overlay[key]; !ok {
+			t.Fatalf("overlays/csi-addons renders no %s", key)
+		}
+	}
+	checkFenceWiring(t, overlay["Deployment/modeguard/modeguard-controller"])
+	compare(t, helmTemplate(t, "--set", "createNamespace=true", "--set", "csiAddons.enabled=true"), overlay)
+
+	t.Run("with iscsi", func(t *testing.T) {
+		// Both components on the base, as an overlay of an operator's own
+		// would have them.
+		dir := t.TempDir()
+		deploy, err := filepath.Rel(dir, filepath.Join(repo(t), "deploy", "kubernetes"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		kustomization := fmt.Sprintf(`apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - %[1]s/base
+components:
+  - %[1]s/components/iscsi
+  - %[1]s/components/csi-addons
+`, filepath.ToSlash(deploy))
+		if err := os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(kustomization), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		both := objects(t, run(t, kustomize, "build", dir))
+		args := fmt.Sprint(both["Deployment/modeguard/modeguard-controller"]["spec"])
+		if !strings.Contains(args, "--block-target=zone-a=") || !strings.Contains(args, "--fence-file=") {
+			t.Fatalf("the controller of base+iscsi+csi-addons lacks --block-target or --fence-file: %s", args)
+		}
+		checkFenceWiring(t, both["Deployment/modeguard/modeguard-controller"])
+		compare(t, helmTemplate(t, "--set", "createNamespace=true", "--set", "iscsi.enabled=true", "--set", "csiAddons.enabled=true"), both)
+	})
+}
+
+// checkFenceWiring checks what the comparison with the chart cannot: that
+// the csi-addons sidecar dials the socket the driver serves on, through a
+// volume both mount, and that the controller's fence list lies on a host
+// directory mounted into the driver's container, not in the container or
+// an emptyDir, which a restart would empty (and so lift every fence).
+func checkFenceWiring(t *testing.T, deployment map[string]any) {
+	t.Helper()
+	if deployment == nil {
+		t.Fatal("no controller Deployment")
+	}
+	spec := deployment["spec"].(map[string]any)["template"].(map[string]any)["spec"].(map[string]any)
+	containers := map[string]map[string]any{}
+	for _, c := range spec["containers"].([]any) {
+		c := c.(map[string]any)
+		containers[c["name"].(string)] = c
+	}
+	volumes := map[string]map[string]any{}
+	for _, v := range spec["volumes"].([]any) {
+		v := v.(map[string]any)
+		volumes[v["name"].(string)] = v
+	}
+	flag := func(c map[string]any, name string) string {
+		var found []string
+		for _, a := range c["args"].([]any) {
+			if v, ok := strings.CutPrefix(a.(string), name+"="); ok {
+				found = append(found, v)
+			}
+		}
+		if len(found) != 1 {
+			t.Fatalf("container %s has %d %s flags, want one: %v", c["name"], len(found), name, c["args"])
+		}
+		return found[0]
+	}
+	// mountOf returns the volume holding path in container c (the longest
+	// mount path that contains it), and path relative to that mount.
+	mountOf := func(c map[string]any, path string) (string, string) {
+		volume, rel, best := "", "", -1
+		for _, m := range c["volumeMounts"].([]any) {
+			m := m.(map[string]any)
+			mp := m["mountPath"].(string)
+			r, err := filepath.Rel(mp, path)
+			if err != nil || r == ".." || strings.HasPrefix(r, "../") || len(mp) <= best {
+				continue
+			}
+			volume, rel, best = m["name"].(string), r, len(mp)
+		}
+		if volume == "" {
+			t.Fatalf("container %s mounts nothing that holds %s", c["name"], path)
+		}
+		return volume, rel
+	}
+
+	driver, sidecar := containers["modeguard"], containers["csi-addons"]
+	if driver == nil || sidecar == nil {
+		t.Fatalf("the controller pod has no modeguard or no csi-addons container: %v", sortedKeys(containers))
+	}
+	if image := sidecar["image"]; image != "quay.io/csiaddons/k8s-sidecar:v0.12.0" {
+		t.Errorf("the csi-addons sidecar runs %v", image)
+	}
+	endpoint := flag(driver, "--endpoint")
+	socket, ok := strings.CutPrefix(endpoint, "unix://")
+	if !ok {
+		t.Fatalf("the driver's --endpoint %s is not a unix socket", endpoint)
+	}
+	driverVolume, driverRel := mountOf(driver, socket)
+	sidecarVolume, sidecarRel := mountOf(sidecar, strings.TrimPrefix(flag(sidecar, "--csi-addons-address"), "unix://"))
+	if driverVolume != sidecarVolume || driverRel != sidecarRel {
+		t.Errorf("the sidecar dials %s in volume %s, the driver serves %s in volume %s", sidecarRel, sidecarVolume, driverRel, driverVolume)
+	}
+	// The csi-addons controller finds the sidecar by its pod: without
+	// --pod and --namespace the sidecar registers no endpoint it can use.
+	for _, f := range []string{"--pod", "--namespace", "--pod-uid", "--node-id", "--controller-port"} {
+		flag(sidecar, f)
+	}
+
+	fenceFile := flag(driver, "--fence-file")
+	if !filepath.IsAbs(fenceFile) {
+		t.Fatalf("--fence-file %s is not absolute", fenceFile)
+	}
+	volume, _ := mountOf(driver, fenceFile)
+	hostPath, _ := volumes[volume]["hostPath"].(map[string]any)
+	if hostPath == nil {
+		t.Fatalf("the fence file %s lies in volume %s, not a host directory: %v", fenceFile, volume, volumes[volume])
+	}
+	if !strings.HasPrefix(fmt.Sprint(hostPath["path"]), "/var/lib/modeguard/") {
+		t.Errorf("the fence list's host directory %v is not with the controller's other state under /var/lib/modeguard", hostPath["path"])
+	}
+	// The driver locks the fence file's directory as it locks each of its
+	// other state directories: one directory cannot be two of them.
+	for _, a := range driver["args"].([]any) {
+		name, value, _ := strings.Cut(a.(string), "=")
+		switch name {
+		case "--block-pool":
+			_, value, _ = strings.Cut(value, "=")
+		case "--nfs-export-root", "--nfs-ganesha-dir":
+		default:
+			continue
+		}
+		if value == filepath.Dir(fenceFile) {
+			t.Errorf("the fence file %s is in the directory of %s", fenceFile, a)
+		}
+	}
+}
+
+func sortedKeys(m map[string]map[string]any) []string {
+	var keys []string
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
+}
+
 // TestChartZonesAreTheZoneGroups: a second zone in the chart's values is
 // the node group deploy/kubernetes/zones/zone-b adds, object for object.
 func TestChartZonesAreTheZoneGroups(t *testing.T) {
@@ -244,6 +407,9 @@ func TestChartRefusesBadValues(t *testing.T) {
 		{"a port out of range", "controller.metrics.port=70000", "port"},
 		{"an iSCSI portal port out of range", "iscsi.portalPort=0", "portalPort"},
 		{"a replacement timeout without a unit", "iscsi.replacementTimeout=30", "replacementTimeout"},
+		{"a relative fence directory", "csiAddons.fenceDir=fences", "fenceDir"},
+		{"a csi-addons port out of range", "csiAddons.port=0", "port"},
+		{"a fence Secret name that is not a name", "csiAddons.secretName=Fence_Secret", "secretName"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cmd := exec.Command(helm, "template", "modeguard", chart, "--namespace", "modeguard", "--set", tc.set)
