@@ -12,7 +12,10 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/csi-addons/spec/lib/go/fence"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
@@ -30,7 +33,7 @@ import (
 // process on the host (in the VMs' network namespace) that reaches it over
 // mutual TLS and holds no pool, and node plugins in the node VMs that
 // reach their volumes with the kernel's initiator. Every call is a CSI
-// call, as the CO makes it.
+// call (or a csi-addons NetworkFence call), as the CO makes it.
 type csiEnv struct {
 	*env
 	role    *targetRole
@@ -44,6 +47,9 @@ type csiEnv struct {
 	replacement string
 	pluginArgs  []string // more flags for the node plugins
 	bin         string   // the modeguard binary every role runs
+	// fence is the controller's csi-addons FenceController, on its CSI
+	// endpoint; it keeps its fences in a directory of the test's.
+	fence fence.FenceControllerClient
 }
 
 // setupCSI starts it all with nodes node VMs, named as the VMs are, whose
@@ -90,8 +96,10 @@ func setupCSI(t testing.TB, nodes int, replacement string, pluginArgs ...string)
 		}
 	})
 
-	e.ctrl = testenv.NewController(t, bin, e.c.ServerNS, t.TempDir(), "--roles", "controller", "-v", "2",
-		"--block-target", "zone-a="+api, "--tls-cert", client.Cert, "--tls-key", client.Key, "--tls-ca", client.CA)
+	ctrlDir := t.TempDir()
+	e.ctrl = testenv.NewController(t, bin, e.c.ServerNS, ctrlDir, "--roles", "controller", "-v", "2",
+		"--block-target", "zone-a="+api, "--tls-cert", client.Cert, "--tls-key", client.Key, "--tls-ca", client.CA,
+		"--fence-file", filepath.Join(ctrlDir, "fences", "fences.json"))
 	e.ctrl.Start(e.ctx)
 	t.Cleanup(func() {
 		e.ctrl.Stop()
@@ -99,6 +107,13 @@ func setupCSI(t testing.TB, nodes int, replacement string, pluginArgs ...string)
 			t.Logf("controller log:\n%s", testenv.ReadFile(e.ctrl.Log))
 		}
 	})
+	// csi-addons' sidecar dials the controller's CSI endpoint.
+	conn, err := grpc.NewClient(e.ctrl.Endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	e.fence = fence.NewFenceControllerClient(conn)
 
 	for _, vm := range e.env.nodes {
 		e.startNode(vm)
@@ -373,21 +388,9 @@ func TestCSIOverISCSIFencesAForceDetachedWriter(t *testing.T) {
 	delete(v.published, a)
 	t.Logf("records %s fsync'd: %d; the write in flight at the fence: %v", a, w.Acked, w.InFlight)
 
-	v.start(b, "next", false)
-	journal := filepath.Join(v.target(b, "next"), "journal")
-	got, err := e.node(b).ReadFile(e.ctx, journal)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := w.CheckJournal(got, 0); err != nil {
-		t.Fatalf("%s reads what %s wrote: %v", b, a, err)
-	}
 	// B goes on where A stopped (over A's failed record, if it got
 	// there), and A, still trying, gets nowhere.
-	next, err := e.node(b).HoldLock(e.ctx, journal, 0, 1<<20)
-	if err != nil {
-		t.Fatal(err)
-	}
+	next := v.takeOver(t, a, b, w)
 	const bRecords = 20
 	for n := w.Acked; n < w.Acked+bRecords; n++ {
 		if err := next.Write(e.ctx, int64(n*len(vmtest.FenceRecord(n))), []byte(vmtest.FenceRecord(n))); err != nil {
@@ -422,7 +425,7 @@ func TestCSIOverISCSIFencesAForceDetachedWriter(t *testing.T) {
 		t.Fatalf("the filesystem in the target's image does not check clean: exit %d, %v:\n%s", code, err, out)
 	}
 	v.start(b, "again", true)
-	got, err = e.node(b).ReadFile(e.ctx, filepath.Join(v.target(b, "again"), "journal"))
+	got, err := e.node(b).ReadFile(e.ctx, filepath.Join(v.target(b, "again"), "journal"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -435,6 +438,27 @@ func TestCSIOverISCSIFencesAForceDetachedWriter(t *testing.T) {
 	if out := e.inVM("sh", "-c", fmt.Sprintf("ls %s/iscsi | grep -c '^%s:' || true", lio.DefaultRoot, prefix)); strings.TrimSpace(out) != "0" {
 		t.Fatalf("LIO still serves %s targets after the delete", out)
 	}
+}
+
+// takeOver starts the volume on b (pod "next") after a, which held the
+// journal w wrote, was fenced: b must read exactly what a fsync'd (and at
+// most the record in flight). It returns b holding the journal's lock.
+func (v *csiVolume) takeOver(t *testing.T, a, b string, w *vmtest.FencedWriter) *vmtest.LockHolder {
+	t.Helper()
+	v.start(b, "next", false)
+	journal := filepath.Join(v.target(b, "next"), "journal")
+	got, err := v.e.node(b).ReadFile(v.e.ctx, journal)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.CheckJournal(got, 0); err != nil {
+		t.Fatalf("%s reads what %s wrote: %v", b, a, err)
+	}
+	holder, err := v.e.node(b).HoldLock(v.e.ctx, journal, 0, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return holder
 }
 
 // imageBlock reads 4 KiB block n of the volume's image on the target.

@@ -39,7 +39,9 @@ func setup(t *testing.T, vms int) *env {
 	c := vmtest.Start(t, vmtest.Options{VMs: vms, Binary: bin})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	t.Cleanup(cancel)
-	ctrl := testenv.StartNFSController(ctx, t, bin, c.ServerNS, c.Server.String(), "--max-volumes-per-node", "8")
+	// With a fence list, for the network fence of TestKernelNFSFenceOfAMountedClient.
+	ctrl := testenv.StartNFSController(ctx, t, bin, c.ServerNS, c.Server.String(), "--max-volumes-per-node", "8",
+		"--fence-file", filepath.Join(t.TempDir(), "fences", "fences.json"))
 	e := &env{t: t, ctx: ctx, c: c, ctrl: ctrl, nodes: map[string]csi.NodeClient{}}
 	for _, vm := range c.VMs {
 		if err := vm.StartPlugin(ctx, "--max-volumes-per-node", "8"); err != nil {
