@@ -393,15 +393,17 @@ func TestAttachAtATakenDeviceLeavesItAlone(t *testing.T) {
 	theirs, ours := filepath.Join(dir, "theirs.img"), filepath.Join(dir, "ours.img")
 	sparseFile(t, theirs, 4*mib)
 	sparseFile(t, ours, 4*mib)
-	dev, err := Free(context.Background())
+	// Someone else binds a device between our choice of it and our
+	// attach. Their losetup picks the device itself: a device this test
+	// found free and then bound could be taken first by another package's
+	// test running at the same time.
+	out, err := exec.Command("losetup", "--find", "--show", theirs).CombinedOutput()
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("losetup --find %s: %v: %s", theirs, err, out)
 	}
+	dev := strings.TrimSpace(string(out))
 	if !ValidDevice(dev) {
-		t.Fatalf("Free named %q", dev)
-	}
-	if out, err := exec.Command("losetup", dev, theirs).CombinedOutput(); err != nil {
-		t.Fatalf("losetup %s: %v: %s", dev, err, out)
+		t.Fatalf("losetup --find named %q", dev)
 	}
 	if _, err := AttachAt(context.Background(), dev, ours, false); err == nil || !strings.Contains(err.Error(), "was taken") {
 		t.Fatalf("AttachAt a device bound since = %v, want an error saying it was taken", err)
