@@ -66,9 +66,8 @@ func (d *Driver) recoverFences(ctrls map[accessmode.Backend]backend.Controller) 
 					return fmt.Errorf("the network fence list %s is missing, and node %s is fenced from volume %s under an id without an address, so its fence cannot be rebuilt: put the list back, or unpublish the volume from that node",
 						d.cfg.FenceFile, n.Name, v.ID)
 				}
-				addr := netip.MustParseAddr(n.Address)
 				nodes = append(nodes, n)
-				blocks = append(blocks, netip.PrefixFrom(addr, addr.BitLen()))
+				blocks = append(blocks, netfence.Single(netip.MustParseAddr(n.Address)))
 			}
 		}
 	}
@@ -384,8 +383,7 @@ func (s *fenceServer) GetFenceClients(ctx context.Context, req *fence.GetFenceCl
 			if err != nil || n.Address == "" {
 				continue
 			}
-			addr := netip.MustParseAddr(n.Address)
-			block := netip.PrefixFrom(addr, addr.BitLen()).String()
+			block := netfence.Single(netip.MustParseAddr(n.Address)).String()
 			if !slices.Contains(addresses[n.Name], block) {
 				addresses[n.Name] = append(addresses[n.Name], block)
 			}

@@ -1,7 +1,6 @@
 package driver_test
 
 import (
-	"context"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -110,15 +109,7 @@ func TestNetworkFenceRefusesBadRequests(t *testing.T) {
 func TestNetworkFenceOnTheLoopTransport(t *testing.T) {
 	m := metrics.New()
 	e := newEnv(t, 0, withFenceFile, func(e *env) { e.metrics = m })
-	srv, err := m.Start("127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		c, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		srv.Shutdown(c)
-	})
+	srv := serveMetrics(t, m)
 	fc := fence.NewFenceControllerClient(e.conn)
 	c := blockCap(accessmode.SingleNodeWriter)
 	held := e.createVolume(t, "held", c)
@@ -127,7 +118,7 @@ func TestNetworkFenceOnTheLoopTransport(t *testing.T) {
 	otherNode := "node-3@" + testZone + "@10.1.0.3"
 	e.controllerPublishTo(t, held, fencedNode, c, false)
 
-	_, err = fc.FenceClusterNetwork(ctx(t), &fence.FenceClusterNetworkRequest{Cidrs: cidrs("10.0.0.0/24")})
+	_, err := fc.FenceClusterNetwork(ctx(t), &fence.FenceClusterNetworkRequest{Cidrs: cidrs("10.0.0.0/24")})
 	wantCode(t, "fencing a node that holds a loop-transport volume", err, codes.FailedPrecondition)
 	if msg := status.Convert(err).Message(); !strings.Contains(msg, held) || !strings.Contains(msg, "--block-target") {
 		t.Errorf("the failure does not name the volume and the way out: %v", err)

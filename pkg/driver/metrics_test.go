@@ -129,14 +129,9 @@ func dirEntries(t *testing.T, dir string) []string {
 	return names
 }
 
-// TestMetricsOverHTTP drives a real driver (block backend on tmpfs, real
-// loop devices and mounts) through one allowed and one refused attach and
-// publish of a ReadWriteOncePod volume, then scrapes its metrics server over
-// HTTP: the refusals, the calls, the volume, the pool and the lock files
-// must all show, and after the cleanup all must be gone again.
-func TestMetricsOverHTTP(t *testing.T) {
-	m := metrics.New()
-	e := newEnv(t, 0, func(e *env) { e.metrics = m })
+// serveMetrics serves m on a loopback port until the test ends.
+func serveMetrics(t *testing.T, m *metrics.Metrics) *metrics.Server {
+	t.Helper()
 	srv, err := m.Start("127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -148,6 +143,18 @@ func TestMetricsOverHTTP(t *testing.T) {
 			t.Errorf("shutting the metrics server down: %v", err)
 		}
 	})
+	return srv
+}
+
+// TestMetricsOverHTTP drives a real driver (block backend on tmpfs, real
+// loop devices and mounts) through one allowed and one refused attach and
+// publish of a ReadWriteOncePod volume, then scrapes its metrics server over
+// HTTP: the refusals, the calls, the volume, the pool and the lock files
+// must all show, and after the cleanup all must be gone again.
+func TestMetricsOverHTTP(t *testing.T) {
+	m := metrics.New()
+	e := newEnv(t, 0, func(e *env) { e.metrics = m })
+	srv := serveMetrics(t, m)
 	const (
 		snsw = "SINGLE_NODE_SINGLE_WRITER"
 		name = "metrics-rwop"
@@ -155,7 +162,7 @@ func TestMetricsOverHTTP(t *testing.T) {
 	c := mountCap(accessmode.SingleNodeSingleWriter)
 	volID := e.createVolume(t, name, c)
 	pc := e.controllerPublish(t, volID, c)
-	_, err = e.ctrl.ControllerPublishVolume(ctx(t), &csi.ControllerPublishVolumeRequest{
+	_, err := e.ctrl.ControllerPublishVolume(ctx(t), &csi.ControllerPublishVolumeRequest{
 		VolumeId: volID, NodeId: "other@" + testZone, VolumeCapability: c,
 	})
 	wantCode(t, "ControllerPublishVolume to a second node", err, codes.FailedPrecondition)

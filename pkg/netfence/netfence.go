@@ -67,7 +67,7 @@ func ParseCIDR(s string) (netip.Prefix, error) {
 	}
 	if !strings.Contains(s, "/") {
 		if a, err := netip.ParseAddr(s); err == nil && a.Zone() == "" {
-			return netip.Prefix{}, fmt.Errorf("%q is an address, not a CIDR block; for that address alone write %s", s, netip.PrefixFrom(a, a.BitLen()))
+			return netip.Prefix{}, fmt.Errorf("%q is an address, not a CIDR block; for that address alone write %s", s, Single(a))
 		}
 	}
 	p, err := netip.ParsePrefix(s)
@@ -79,10 +79,14 @@ func ParseCIDR(s string) (netip.Prefix, error) {
 	}
 	if p.Masked() != p {
 		return netip.Prefix{}, fmt.Errorf("%q has bits set past its /%d prefix; write the block as %s (or the address alone as %s)",
-			s, p.Bits(), p.Masked(), netip.PrefixFrom(p.Addr(), p.Addr().BitLen()))
+			s, p.Bits(), p.Masked(), Single(p.Addr()))
 	}
 	return p, nil
 }
+
+// Single is the block of one address alone (/32, /128): how a fence names
+// one node.
+func Single(a netip.Addr) netip.Prefix { return netip.PrefixFrom(a, a.BitLen()) }
 
 func comparePrefix(a, b netip.Prefix) int {
 	if c := a.Addr().Compare(b.Addr()); c != 0 {
@@ -134,9 +138,6 @@ func (l *List) Missing() bool {
 	defer l.mu.Unlock()
 	return l.missing
 }
-
-// Path is the file the list is kept in.
-func (l *List) Path() string { return l.path }
 
 // Fences returns a copy of the list, sorted by block.
 func (l *List) Fences() []Fence {

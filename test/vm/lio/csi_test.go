@@ -407,16 +407,7 @@ func TestCSIOverISCSIFencesAForceDetachedWriter(t *testing.T) {
 	}
 
 	t.Run("the fenced node comes back and cleans up", func(t *testing.T) {
-		if err := holder.Release(e.ctx); err != nil {
-			t.Logf("%s's writer letting go after the fence: %v", a, err)
-		}
-		v.unpublish(a, "writer")
-		v.unstage(a)
-		e.wantNoISCSI(a)
-		if _, err := e.ctrl.CSI.ControllerUnpublishVolume(e.ctx, &csi.ControllerUnpublishVolumeRequest{
-			VolumeId: v.id(), NodeId: e.nodeID[a]}); err != nil {
-			t.Fatalf("the CO's own ControllerUnpublish of %s after the force-detach: %v", a, err)
-		}
+		v.fencedComesBack(t, a, holder)
 	})
 
 	v.stop(b, "next")
@@ -459,6 +450,21 @@ func (v *csiVolume) takeOver(t *testing.T, a, b string, w *vmtest.FencedWriter) 
 		t.Fatal(err)
 	}
 	return holder
+}
+
+// fencedComesBack is node a, fenced and force-detached while its writer
+// (pod "writer") held the journal, coming back: the writer lets go, the
+// CO's late NodeUnpublish and NodeUnstage succeed and leave no session,
+// and its own ControllerUnpublish of a succeeds.
+func (v *csiVolume) fencedComesBack(t *testing.T, a string, writer *vmtest.LockHolder) {
+	t.Helper()
+	if err := writer.Release(v.e.ctx); err != nil {
+		t.Logf("%s's writer letting go after the fence: %v", a, err)
+	}
+	v.unpublish(a, "writer")
+	v.unstage(a)
+	v.e.wantNoISCSI(a)
+	v.detach(a)
 }
 
 // imageBlock reads 4 KiB block n of the volume's image on the target.

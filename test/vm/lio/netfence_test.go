@@ -194,15 +194,8 @@ func TestCSIOverISCSINetworkFenceCutsOffANode(t *testing.T) {
 	}
 
 	t.Run("the fenced node comes back and cleans up", func(t *testing.T) {
-		if err := holder.Release(e.ctx); err != nil {
-			t.Logf("%s's writer letting go after the fence: %v", a, err)
-		}
-		v.unpublish(a, "writer")
-		v.unstage(a)
-		e.wantNoISCSI(a)
+		v.fencedComesBack(t, a, holder)
 		e.wantNoStagingMounts(a)
-		// The CO's own ControllerUnpublish of A, after its force-detach.
-		v.detach(a)
 		// What A still held is served again.
 		if err := held.stageWith(a, held.published[a]); err != nil {
 			t.Fatalf("NodeStage on %s of %s after the unfence: %v", a, held.id(), err)

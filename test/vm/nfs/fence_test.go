@@ -66,6 +66,32 @@ func writeUntilFenced(t *testing.T, e *env, path string, beforeFence func(), fen
 	return w
 }
 
+// vm2TakesOver starts the volume on vm2 (pod "app") after vm1, which
+// wrote the journal w holds, was fenced: vm2 must take vm1's lock within a
+// bound and read exactly what vm1 fsync'd (and at most the record in
+// flight).
+func vm2TakesOver(t *testing.T, e *env, v *volume, w *vmtest.FencedWriter) {
+	t.Helper()
+	vm2 := e.vm("vm2")
+	wantCode(t, "start on vm2", v.start("vm2", "app", false), codes.OK)
+	path2 := filepath.Join(v.target("vm2", "app"), "journal")
+	tl, err := vm2.TryLock(e.ctx, path2, 0, 1<<20, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tl.Outcome != agentapi.LockAcquired {
+		t.Fatalf("vm2 cannot take the lock vm1 held before the fence (%s after it): %+v", time.Since(w.FencedAt).Round(time.Second), tl)
+	}
+	t.Logf("vm2 took the lock %s after the fence", time.Since(w.FencedAt).Round(100*time.Millisecond))
+	got, err := vm2.ReadFile(e.ctx, path2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.CheckJournal(got, 0); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // forceDetach is the CO's force-detach of vm1: ControllerUnpublishVolume
 // with no node call before it.
 func forceDetach(t *testing.T, e *env, v *volume) func() error {
@@ -93,7 +119,6 @@ func cleanUpFenced(t *testing.T, e *env, v *volume, w *vmtest.FencedWriter, pod 
 
 // fenceSingleNode: an RWO volume moves from a fenced vm1 to vm2.
 func fenceSingleNode(t *testing.T, e *env, name string, otherVolume bool) {
-	ctx, vm2 := e.ctx, e.vm("vm2")
 	v := e.create(name, accessmode.SingleNodeWriter, nil)
 	wantCode(t, "start on vm1", v.start("vm1", "app", false), codes.OK)
 	var other *volume
@@ -106,23 +131,7 @@ func fenceSingleNode(t *testing.T, e *env, name string, otherVolume bool) {
 	w := writeUntilFenced(t, e, filepath.Join(v.target("vm1", "app"), "journal"), nil, forceDetach(t, e, v))
 
 	t.Log("vm2 takes over: published, staged, the lock within a bound, exactly what vm1 fsync'd")
-	wantCode(t, "start on vm2", v.start("vm2", "app", false), codes.OK)
-	path2 := filepath.Join(v.target("vm2", "app"), "journal")
-	tl, err := vm2.TryLock(ctx, path2, 0, 1<<20, 30*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if tl.Outcome != agentapi.LockAcquired {
-		t.Fatalf("vm2 cannot take the lock vm1 held before the fence (%s after it): %+v", time.Since(w.FencedAt).Round(time.Second), tl)
-	}
-	t.Logf("vm2 took the lock %s after the fence", time.Since(w.FencedAt).Round(100*time.Millisecond))
-	got, err := vm2.ReadFile(ctx, path2)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := w.CheckJournal(got, 0); err != nil {
-		t.Fatal(err)
-	}
+	vm2TakesOver(t, e, v, w)
 	v.mustWrite("vm2", "app", "after", "vm2 writes after the fence\n")
 	if other != nil {
 		// Another export of the same server: untouched by the fence.
@@ -202,7 +211,7 @@ func fenceWriterOfMany(t *testing.T, e *env) {
 // fsync'd. After the lift vm1 reads and writes the other volume again, which
 // it still holds.
 func fenceByNetwork(t *testing.T, e *env) {
-	ctx, vm1, vm2 := e.ctx, e.vm("vm1"), e.vm("vm2")
+	ctx, vm1 := e.ctx, e.vm("vm1")
 	v := e.create("netfence", accessmode.SingleNodeWriter, nil)
 	wantCode(t, "start on vm1", v.start("vm1", "app", false), codes.OK)
 	other := e.create("netfence-other", accessmode.SingleNodeWriter, nil)
@@ -230,22 +239,7 @@ func fenceByNetwork(t *testing.T, e *env) {
 	if err := forceDetach(t, e, v)(); err != nil {
 		t.Fatal(err)
 	}
-	wantCode(t, "start on vm2 after the force-detach", v.start("vm2", "app", false), codes.OK)
-	path2 := filepath.Join(v.target("vm2", "app"), "journal")
-	tl, err := vm2.TryLock(ctx, path2, 0, 1<<20, 30*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if tl.Outcome != agentapi.LockAcquired {
-		t.Fatalf("vm2 cannot take the lock the fenced vm1 held (%s after the fence): %+v", time.Since(w.FencedAt).Round(time.Second), tl)
-	}
-	got, err := vm2.ReadFile(ctx, path2)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := w.CheckJournal(got, 0); err != nil {
-		t.Fatal(err)
-	}
+	vm2TakesOver(t, e, v, w)
 
 	t.Log("the fence is lifted: UnfenceClusterNetwork")
 	if _, err := fc.UnfenceClusterNetwork(ctx, &fence.UnfenceClusterNetworkRequest{Cidrs: block}); err != nil {
