@@ -156,6 +156,34 @@ func configure(dev string, backing *os.File, image string, readOnly bool) error 
 	if err := unix.IoctlLoopConfigure(int(f.Fd()), &cfg); err != nil {
 		return fmt.Errorf("LOOP_CONFIGURE %s on %s: %w", image, dev, err)
 	}
+	if err := markChanged(f); err != nil {
+		if cerr := unix.IoctlSetInt(int(f.Fd()), unix.LOOP_CLR_FD, 0); cerr != nil {
+			err = fmt.Errorf("%w (and unbinding it again: %v)", err, cerr)
+		}
+		return fmt.Errorf("%s bound to %s: %w", dev, image, err)
+	}
+	return nil
+}
+
+// markChanged sets the device node's modification time to now, which is
+// when it took on the content of another file.
+//
+// libblkid caches what it probed of each device, its UUID above all, and
+// believes a cached entry without probing again (for two seconds, and up
+// to 200 once verified) unless the device node was modified after the
+// probe. nfs-ganesha keeps such a cache for its whole life and tells
+// filesystems apart by that UUID. Binding a loop device changes what it
+// holds but not its node, so the next image on a device freed a moment
+// ago took on the UUID of the one before it: ganesha took it for a
+// duplicate of that filesystem and refused its export (resolve_posix_
+// filesystem: No such file or directory), and, claimed under the wrong
+// UUID, it then shadowed the filesystem that really has it until ganesha
+// restarted. A node that says it changed makes every cache probe again.
+func markChanged(dev *os.File) error {
+	now := []unix.Timespec{{Nsec: unix.UTIME_NOW}, {Nsec: unix.UTIME_NOW}}
+	if err := unix.UtimesNanoAt(unix.AT_FDCWD, "/proc/self/fd/"+strconv.Itoa(int(dev.Fd())), now, 0); err != nil {
+		return fmt.Errorf("marking the device node changed for libblkid's cache: %w", err)
+	}
 	return nil
 }
 

@@ -493,3 +493,66 @@ func TestDetachOfAHeldDeviceFailsNamingTheHolder(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestARebindIsSeenThroughLibblkidsCache: a device bound to another image
+// must not keep the identity libblkid cached for the image before. The
+// cache is a file of the test's, as ganesha's shared one would be, filled
+// by probing the device while it held the first image; right after the
+// device is bound to the second, blkid must answer the second image's
+// UUID, not trust its two-second-old entry.
+func TestARebindIsSeenThroughLibblkidsCache(t *testing.T) {
+	dir := scratch(t)
+	for _, tool := range []string{"blkid", "mkfs.ext4"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("needs %s", tool)
+		}
+	}
+	ctx := context.Background()
+	cache := filepath.Join(dir, "blkid.tab")
+	uuid := func(dev string) string {
+		t.Helper()
+		out, err := exec.Command("blkid", "-c", cache, "-o", "value", "-s", "UUID", dev).Output()
+		if err != nil {
+			t.Fatalf("blkid %s: %v", dev, err)
+		}
+		return strings.TrimSpace(string(out))
+	}
+	images := map[string]string{}
+	for _, name := range []string{"first", "second"} {
+		image := filepath.Join(dir, name+".img")
+		sparseFile(t, image, 16*mib)
+		if out, err := exec.Command("mkfs.ext4", "-q", image).CombinedOutput(); err != nil {
+			t.Fatalf("mkfs.ext4: %v: %s", err, out)
+		}
+		out, err := exec.Command("blkid", "-p", "-o", "value", "-s", "UUID", image).Output()
+		if err != nil {
+			t.Fatal(err)
+		}
+		images[name] = strings.TrimSpace(string(out))
+	}
+	for round := range 5 {
+		first, err := Attach(ctx, filepath.Join(dir, "first.img"), false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := uuid(first.Path); got != images["first"] {
+			t.Fatalf("round %d: %s holding the first image reads as %q, want %q", round, first.Path, got, images["first"])
+		}
+		if _, err := DetachIfBackedBy(ctx, first.Path, filepath.Join(dir, "first.img")); err != nil {
+			t.Fatal(err)
+		}
+		second, err := AttachAt(ctx, first.Path, filepath.Join(dir, "second.img"), false)
+		if err != nil {
+			// Another test took the device in between: try again.
+			t.Logf("round %d: %v", round, err)
+			continue
+		}
+		if got := uuid(second.Path); got != images["second"] {
+			t.Errorf("round %d: %s, bound to the second image a moment after the first, reads as %q through the cache, want the second image's %q",
+				round, second.Path, got, images["second"])
+		}
+		if _, err := DetachIfBackedBy(ctx, second.Path, filepath.Join(dir, "second.img")); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
