@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"google.golang.org/grpc/codes"
@@ -84,9 +85,13 @@ func TestControlErrorsAreCounted(t *testing.T) {
 	ctx := context.Background()
 	m := metrics.New()
 	exportDir := t.TempDir()
+	storage := dirStorage{t.TempDir()}
 	ctrl, err := nfs.NewController(ctx, nfs.Config{
-		Storage: dirStorage{t.TempDir()}, ExportDir: exportDir, Server: "127.0.0.1",
+		Storage: storage, ExportDir: exportDir, Server: "127.0.0.1",
 		ControlFailed: m.NFSControlFailed,
+		WhyRefused: func(path string) string {
+			return "resolve_posix_filesystem(" + path + ") returned No such file or directory (2)"
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -145,8 +150,16 @@ func TestControlErrorsAreCounted(t *testing.T) {
 	}
 	g.failApply = true
 	node := accessmode.Attachment{NodeID: nodeid.Node{Name: "n1", Zone: "zone-a", Address: "10.0.0.11"}.String(), Mode: accessmode.MultiNodeMultiWriter}
-	if _, err := ctrl.SetAttachments(ctx, id, []accessmode.Attachment{node}); status.Code(err) != codes.Unavailable {
+	_, err = ctrl.SetAttachments(ctx, id, []accessmode.Attachment{node})
+	if status.Code(err) != codes.Unavailable {
 		t.Fatalf("a publish with ganesha refusing the export: %v, want UNAVAILABLE", err)
+	}
+	// The refusal names the volume, the path ganesha was to export, and
+	// what ganesha's log says of it.
+	path := filepath.Join(storage.Root(), "volumes", id.FileName())
+	if msg := status.Convert(err).Message(); !strings.Contains(msg, id.String()) || !strings.Contains(msg, "from "+path+":") ||
+		!strings.Contains(msg, "ganesha's log says: resolve_posix_filesystem("+path+")") {
+		t.Errorf("the refusal %q does not name the volume, its path %s and ganesha's reason", msg, path)
 	}
 	if c := count(nfs.OpApplyExport); c != 1 {
 		t.Errorf("ApplyExport errors = %v, want 1", c)

@@ -97,6 +97,10 @@ type Config struct {
 	// ControlFailed, when set, is called each time telling ganesha fails,
 	// with the operation: OpApplyExport, OpRemoveExport or OpExports.
 	ControlFailed func(operation string)
+	// WhyRefused, when set, tells what ganesha said about an export path
+	// it refused (its log, where it logs why); the refusal over D-Bus
+	// only says the export block was invalid.
+	WhyRefused func(path string) string
 }
 
 // The operations of Exporter, as ControlFailed names them.
@@ -524,7 +528,14 @@ func (c *Controller) applyExportLocked(ctx context.Context, rec *volumeRecord, i
 		if !wasExported {
 			c.undoFirstExport(ctx, rec)
 		}
-		return status.Errorf(codes.Unavailable, "ganesha refused the export of %s: %v", rec.Volume.ID, err)
+		path := c.dir(rel)
+		why := ""
+		if c.cfg.WhyRefused != nil {
+			if w := c.cfg.WhyRefused(path); w != "" {
+				why = "; ganesha's log says: " + w
+			}
+		}
+		return status.Errorf(codes.Unavailable, "ganesha refused the export of %s from %s: %v%s", rec.Volume.ID, path, err, why)
 	}
 	fpExportApplied.Hit()
 	c.setExported(rel, true)

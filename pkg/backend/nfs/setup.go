@@ -107,6 +107,7 @@ func Setup(ctx context.Context, o Options) (*Controller, func(), error) {
 			}
 		})
 		exporter = srv.Control()
+		c.cfg.WhyRefused = srv.LogAbout
 	}
 	if err := c.Start(ctx, exporter); err != nil {
 		stop()

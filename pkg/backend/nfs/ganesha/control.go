@@ -22,6 +22,8 @@ const (
 	ExportMgrIface  = "org.ganesha.nfsd.exportmgr"
 	AdminPath       = "/org/ganesha/nfsd/admin"
 	AdminIface      = "org.ganesha.nfsd.admin"
+	CacheMgrPath    = "/org/ganesha/nfsd/CacheMgr"
+	CacheMgrIface   = "org.ganesha.nfsd.cachemgr"
 	defaultCallWait = 30 * time.Second
 )
 
@@ -546,4 +548,43 @@ func parseClient(v []any) (ClientInfo, error) {
 		ci.Squash = NoRootSquash
 	}
 	return ci, nil
+}
+
+// Filesystem is one filesystem ganesha knows of: where it is mounted and
+// the device number it found there.
+type Filesystem struct {
+	Path         string
+	Major, Minor uint64
+}
+
+// Filesystems lists the filesystems ganesha has taken from the mount table
+// for its exports (CacheMgr showfs): an export is served from the one that
+// holds its path, so this is ganesha's own answer to which filesystem it
+// exports, to hold against the mount table.
+func (c *Control) Filesystems(ctx context.Context) ([]Filesystem, error) {
+	body, err := c.callOn(ctx, CacheMgrPath, CacheMgrIface, "showfs")
+	if err != nil {
+		return nil, err
+	}
+	if len(body) < 2 {
+		return nil, fmt.Errorf("ganesha showfs: reply has %d values, want 2", len(body))
+	}
+	list, ok := body[1].([][]any)
+	if !ok {
+		return nil, fmt.Errorf("ganesha showfs: unexpected reply type %T", body[1])
+	}
+	out := make([]Filesystem, 0, len(list))
+	for _, entry := range list {
+		if len(entry) < 3 {
+			return nil, errors.New("ganesha showfs: short filesystem entry")
+		}
+		p, ok1 := entry[0].(string)
+		major, ok2 := entry[1].(uint64)
+		minor, ok3 := entry[2].(uint64)
+		if !ok1 || !ok2 || !ok3 {
+			return nil, fmt.Errorf("ganesha showfs: unexpected entry types %T, %T, %T", entry[0], entry[1], entry[2])
+		}
+		out = append(out, Filesystem{Path: p, Major: major, Minor: minor})
+	}
+	return out, nil
 }

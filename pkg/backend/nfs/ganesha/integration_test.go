@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha/ganeshatest"
 	"github.com/modeguard/modeguard/pkg/fsutil"
 )
@@ -500,5 +502,58 @@ func TestSupervisorRestartsBus(t *testing.T) {
 	}
 	if _, err := node.NFSLs(ctx, net.NFSURL(e.Pseudo, "")); err != nil {
 		t.Fatalf("node cannot list the export after the restart: %v", err)
+	}
+}
+
+// TestRefusedExportIsExplained: ganesha refuses an export whose path it
+// cannot resolve to a filesystem (here one that is not there), and its
+// D-Bus answer only says the block was invalid.
+// LogAbout finds in its log why, naming the path; Filesystems shows what
+// ganesha took for an export it did accept.
+func TestRefusedExportIsExplained(t *testing.T) {
+	requireGanesha(t)
+	net := ganeshatest.Setup(t, ganeshatest.Options{Nodes: 1})
+	runDir, exportDir, data := testDirs(t)
+	srv := startServer(t, net, runDir, exportDir)
+	c := srv.Control()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	served := Export{ID: 3, Path: data, Pseudo: "/served", Clients: []ClientRule{{Address: net.Nodes[0].Addr}}}
+	if err := WriteExportFile(ExportFilePath(exportDir, served.ID), served); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.ApplyExport(ctx, ExportFilePath(exportDir, served.ID), served.ID); err != nil {
+		t.Fatalf("ApplyExport of %s: %v", data, err)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(data, &st); err != nil {
+		t.Fatal(err)
+	}
+	fss, err := c.Filesystems(ctx)
+	if err != nil {
+		t.Fatalf("Filesystems: %v", err)
+	}
+	if !slices.ContainsFunc(fss, func(f Filesystem) bool {
+		return f.Major == uint64(unix.Major(st.Dev)) && f.Minor == uint64(unix.Minor(st.Dev))
+	}) {
+		t.Errorf("ganesha's filesystems %v lack device %d:%d, which holds its export %s", fss, unix.Major(st.Dev), unix.Minor(st.Dev), data)
+	}
+
+	missing := filepath.Join(t.TempDir(), "missing")
+	refusedExport := Export{ID: 4, Path: missing, Pseudo: "/refused", Clients: []ClientRule{{Address: net.Nodes[0].Addr}}}
+	if err := WriteExportFile(ExportFilePath(exportDir, refusedExport.ID), refusedExport); err != nil {
+		t.Fatal(err)
+	}
+	err = c.ApplyExport(ctx, ExportFilePath(exportDir, refusedExport.ID), refusedExport.ID)
+	if err == nil {
+		t.Fatalf("ganesha accepted an export of a path that does not exist")
+	}
+	why := srv.LogAbout(missing)
+	if !strings.Contains(why, missing) || !strings.Contains(why, "resolve_posix_filesystem") {
+		t.Errorf("LogAbout(%s) = %q; want ganesha's reason, naming the path", missing, why)
+	}
+	if other := srv.LogAbout(filepath.Join(data, "elsewhere")); other != "" {
+		t.Errorf("LogAbout of a path ganesha never saw = %q, want nothing", other)
 	}
 }

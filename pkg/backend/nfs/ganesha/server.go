@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -46,8 +47,11 @@ type ServerConfig struct {
 	NsenterBinary string
 	// LogLevel is ganesha's -N, NIV_EVENT when empty.
 	LogLevel string
-	// ReadyTimeout bounds each start until ganesha answers on D-Bus (10 s
-	// when zero); StopTimeout bounds how long Stop waits after SIGTERM
+	// ReadyTimeout bounds each start until ganesha answers on D-Bus (60 s
+	// when zero: ganesha answers in a fraction of a second on an idle
+	// machine, but took over 10 s in a VM under emulation on a busy one,
+	// and a controller that gives up then starts over, no faster);
+	// StopTimeout bounds how long Stop waits after SIGTERM
 	// before SIGKILL (15 s when zero; ganesha takes a few seconds).
 	ReadyTimeout, StopTimeout time.Duration
 	// LeaseLifetime and GracePeriod are NFSv4's lease and grace period
@@ -256,7 +260,7 @@ func (cfg ServerConfig) withDefaults() (ServerConfig, error) {
 		return cfg, fmt.Errorf("ganesha: log level %q", cfg.LogLevel)
 	}
 	if cfg.ReadyTimeout <= 0 {
-		cfg.ReadyTimeout = 10 * time.Second
+		cfg.ReadyTimeout = 60 * time.Second
 	}
 	if cfg.StopTimeout <= 0 {
 		cfg.StopTimeout = 15 * time.Second
@@ -546,14 +550,13 @@ func (s *Server) startGanesha(ctx context.Context) (*proc, error) {
 		"-N", s.cfg.LogLevel,
 	)
 	// BLKID_FILE=/dev/null: ganesha tells filesystems apart by the UUID
-	// libblkid reports for their device, and libblkid trusts its cache file
-	// (/run/blkid/blkid.tab) for up to 200 seconds without probing again. A
-	// loop device re-bound to another image (every restart binds the images
-	// anew) then reports the UUID of the image it held before; when that
-	// image is mounted on another device too, ganesha takes the two for one
-	// filesystem, skips one, and refuses its export ("resolve_posix_filesystem
-	// ... No such file or directory"). Without a cache file each ganesha
-	// starts from what the devices hold now.
+	// libblkid reports for their device, and libblkid's cache file
+	// (/run/blkid/blkid.tab) is shared by every process on the machine,
+	// with entries up to 200 seconds old believed without probing. Without
+	// a cache file each ganesha starts from what the devices hold now.
+	// Within its life ganesha keeps libblkid's cache in memory; that a
+	// loop device bound to another image is probed again is
+	// loop.markChanged's doing.
 	cmd.Env = append(os.Environ(), "DBUS_SYSTEM_BUS_ADDRESS="+s.DBusAddress(), "BLKID_FILE=/dev/null")
 	p, err := s.spawn(cmd, GaneshaOutName)
 	if err != nil {
@@ -822,6 +825,49 @@ func alive(pid int, arg string) bool {
 }
 
 // tail returns the last n lines of a file, or a note that it is unreadable.
+// logAboutBytes bounds how much of the end of ganesha's log LogAbout reads.
+const logAboutBytes = 256 << 10
+
+// LogAbout returns the last few lines of ganesha's log that name path and
+// report a problem (CRIT, MAJ, WARN or an error), joined by " | ": why
+// ganesha refused an export of path, which its D-Bus answer does not say.
+func (s *Server) LogAbout(path string) string {
+	f, err := os.Open(s.path(GaneshaLogName))
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	if st, err := f.Stat(); err == nil && st.Size() > logAboutBytes {
+		if _, err := f.Seek(-logAboutBytes, io.SeekEnd); err != nil {
+			return ""
+		}
+	}
+	data, err := io.ReadAll(f)
+	if err != nil {
+		return ""
+	}
+	var found []string
+	for _, line := range strings.Split(string(data), "\n") {
+		if !strings.Contains(line, path) {
+			continue
+		}
+		if !strings.Contains(line, ":CRIT :") && !strings.Contains(line, ":MAJ :") && !strings.Contains(line, ":WARN :") &&
+			!strings.Contains(line, "returned") && !strings.Contains(line, "rror") {
+			continue
+		}
+		// Keep the part after the component and level: the time, epoch
+		// and host before it say nothing here.
+		if i := strings.Index(line, "] "); i >= 0 {
+			line = line[i+2:]
+		}
+		found = append(found, strings.TrimSpace(line))
+	}
+	if len(found) > 3 {
+		found = found[len(found)-3:]
+	}
+	return strings.Join(found, " | ")
+}
+
 func tail(path string, n int) string {
 	data, err := os.ReadFile(path)
 	if err != nil {
