@@ -862,7 +862,12 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 		return nil, status.Errorf(decision.Code, "volume %s: %s", vol.ID, decision.Message)
 	}
 	if !decision.Idempotent {
-		attachments := append(slices.Clone(vol.Attachments), want)
+		// The others' marks follow the list too, which mends what a
+		// fence pass could not reach.
+		attachments, _, err := s.d.withFences(append(slices.Clone(vol.Attachments), want))
+		if err != nil {
+			return nil, err
+		}
 		if _, err := ctrl.SetAttachments(ctx, id, attachments); err != nil {
 			return nil, err
 		}
@@ -938,8 +943,15 @@ func (s *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *c
 		return nil, err
 	}
 	defer unlockNode()
+	// The marks of those who stay follow the fence list, as on publish.
+	s.d.fenceGate.RLock()
+	defer s.d.fenceGate.RUnlock()
 	keep := slices.DeleteFunc(slices.Clone(vol.Attachments), func(a accessmode.Attachment) bool { return a.Node() == key })
 	if len(keep) < len(vol.Attachments) {
+		keep, _, err := s.d.withFences(keep)
+		if err != nil {
+			return nil, err
+		}
 		if _, err := ctrl.SetAttachments(ctx, id, keep); err != nil {
 			return nil, err
 		}
@@ -956,8 +968,6 @@ func (s *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *c
 		return nil, err
 	}
 	if checkNodeZone(node, held) == nil {
-		s.d.fenceGate.RLock()
-		defer s.d.fenceGate.RUnlock()
 		if _, err := s.d.followNode(ctx, node, held, vol.ID); err != nil {
 			return nil, err
 		}

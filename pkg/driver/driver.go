@@ -165,6 +165,7 @@ func New(cfg Config) (*Driver, error) {
 		if err := d.openFences(cfg.Controllers); err != nil {
 			return nil, err
 		}
+		d.followFencesAtStart()
 		d.controllersReady.Store(true)
 	} else {
 		d.controllersReady.Store(true)
@@ -208,6 +209,7 @@ func (d *Driver) SetControllers(c map[accessmode.Backend]backend.Controller) err
 		return err
 	}
 	d.cfg.Controllers = c
+	d.followFencesAtStart()
 	d.controllersReady.Store(true)
 	d.setMetricSources()
 	return nil

@@ -18,6 +18,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/netfence"
 	"github.com/modeguard/modeguard/pkg/nodeid"
 )
@@ -85,6 +86,30 @@ func (d *Driver) recoverFences(ctrls map[accessmode.Backend]backend.Controller) 
 	klog.InfoS("The network fence list was missing while nodes were fenced: rebuilt from the fenced attachments, one address per node; lift what should not be fenced",
 		"file", d.cfg.FenceFile, "cidrs", prefixList(blocks))
 	return nil
+}
+
+// followFencesAtStart brings every attachment's fenced mark in line with
+// the fence list before the controller takes calls. The list is written
+// before a fence or a lift is applied, so a controller killed in between,
+// or a pass that failed for some volume, leaves marks the list no longer
+// has: a node served that a fence covers, or a node cut off with no fence
+// listed. What cannot follow now is logged, and follows at the next fence
+// call, or at the next publish or unpublish of its volume, whose marks
+// are taken from the list.
+func (d *Driver) followFencesAtStart() {
+	if d.fences == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	undecided, err := d.applyFences(ctx)
+	if err != nil {
+		klog.ErrorS(err, "At start, not every volume follows the network fence list; the next fence call, or a publish or unpublish of the volume, tries again")
+	}
+	if len(undecided) > 0 {
+		klog.InfoS("Network fences are in force and nodes that hold volumes report no address, so whether a fence covers them cannot be told: start their node plugins with --node-address",
+			"nodes", undecided)
+	}
 }
 
 // fencedBy returns the fenced blocks that hold node (none without a fence
@@ -262,6 +287,11 @@ func prefixList(ps []netip.Prefix) string {
 	return strings.Join(s, ", ")
 }
 
+// fpFenceListWritten is the step between a change of the fence list and
+// the pass that applies it, which a test can kill the controller at
+// (package faultpoint): the start that follows must apply the list.
+var fpFenceListWritten = faultpoint.New("driver.fence.list-written")
+
 // fenceServer serves csi-addons' FenceController on the controller.
 type fenceServer struct {
 	fence.UnimplementedFenceControllerServer
@@ -320,6 +350,7 @@ func (s *fenceServer) FenceClusterNetwork(ctx context.Context, req *fence.FenceC
 		return nil, status.Error(codes.Internal, err.Error())
 	}
 	klog.InfoS("Network fence recorded", "cidrs", prefixList(blocks))
+	fpFenceListWritten.Hit()
 	undecided, err := s.d.applyFences(ctx)
 	if err != nil {
 		return nil, err
@@ -344,6 +375,7 @@ func (s *fenceServer) UnfenceClusterNetwork(ctx context.Context, req *fence.Unfe
 		return nil, status.Error(codes.Internal, err.Error())
 	}
 	klog.InfoS("Network fence lifted", "cidrs", prefixList(blocks))
+	fpFenceListWritten.Hit()
 	if _, err := s.d.applyFences(ctx); err != nil {
 		return nil, err
 	}
