@@ -18,10 +18,21 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/nfs/ganesha"
 )
 
+// BinaryEnv names a driver binary built already, which BuildBinary then
+// returns instead of building one (test/vm/projquota.sh sets it: a build
+// inside a VM under emulation takes minutes).
+const BinaryEnv = "MODEGUARD_TEST_BINARY"
+
 // BuildBinary compiles the driver (with the race detector) into a
 // directory of the test's and returns its path.
 func BuildBinary(t testing.TB) string {
 	t.Helper()
+	if bin := os.Getenv(BinaryEnv); bin != "" {
+		if _, err := os.Stat(bin); err != nil {
+			t.Fatalf("%s=%s: %v", BinaryEnv, bin, err)
+		}
+		return bin
+	}
 	bin := filepath.Join(t.TempDir(), "modeguard")
 	cmd := exec.Command("go", "build", "-race", "-o", bin, "github.com/modeguard/modeguard/cmd/modeguard")
 	if out, err := cmd.CombinedOutput(); err != nil {
@@ -34,10 +45,13 @@ func BuildBinary(t testing.TB) string {
 // namespace (with nsenter --net, so it shares the host's mounts), serving
 // CSI on a unix socket the test reaches from the host.
 type Controller struct {
-	t        testing.TB
-	Bin      string
-	Args     []string // without --endpoint, which Start adds
-	NetNS    string   // /run/netns/<name>
+	t    testing.TB
+	Bin  string
+	Args []string // without --endpoint, which Start adds
+	// Env is added to the environment of the next Start only (a fault
+	// point to die at, say), then cleared.
+	Env      []string
+	NetNS    string // /run/netns/<name>
 	Log      string
 	Endpoint string // unix:///...
 	// GaneshaDir is the --nfs-ganesha-dir StartNFSController gave it.
@@ -65,12 +79,17 @@ func (c *Controller) Start(ctx context.Context) {
 	args := append([]string{"--net=" + c.NetNS, "--", c.Bin, "--endpoint", c.Endpoint}, c.Args...)
 	c.cmd = exec.Command("nsenter", args...)
 	c.cmd.Stdout, c.cmd.Stderr = logFile, logFile
+	if len(c.Env) > 0 {
+		c.cmd.Env = append(os.Environ(), c.Env...)
+		c.Env = nil
+	}
 	c.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := c.cmd.Start(); err != nil {
 		c.t.Fatal(err)
 	}
-	c.done = make(chan struct{})
-	go func() { c.cmd.Wait(); logFile.Close(); close(c.done) }()
+	done, cmd := make(chan struct{}), c.cmd
+	c.done = done
+	go func() { cmd.Wait(); logFile.Close(); close(done) }()
 	if c.conn == nil {
 		conn, err := grpc.NewClient(c.Endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
 		if err != nil {
@@ -79,7 +98,9 @@ func (c *Controller) Start(ctx context.Context) {
 		c.conn, c.CSI = conn, csi.NewControllerClient(conn)
 	}
 	id := csi.NewIdentityClient(c.conn)
-	deadline := time.Now().Add(30 * time.Second)
+	// Generous: in a VM under emulation a start with ganesha takes 15 s
+	// and more.
+	deadline := time.Now().Add(2 * time.Minute)
 	for {
 		pctx, cancel := context.WithTimeout(ctx, time.Second)
 		resp, err := id.Probe(pctx, &csi.ProbeRequest{})
@@ -95,6 +116,17 @@ func (c *Controller) Start(ctx context.Context) {
 		if time.Now().After(deadline) {
 			c.t.Fatalf("controller not ready:\n%s", ReadFile(c.Log))
 		}
+	}
+}
+
+// WaitExited waits until the process has ended by itself (at a fault
+// point, say), failing the test after timeout.
+func (c *Controller) WaitExited(timeout time.Duration) {
+	c.t.Helper()
+	select {
+	case <-c.done:
+	case <-time.After(timeout):
+		c.t.Fatalf("controller still runs after %v", timeout)
 	}
 }
 

@@ -29,6 +29,11 @@
 #   VM_TEST_TIMEOUT  seconds before the VM is killed (default 1200); a
 #                    benchmark that sets up thousands of volumes under
 #                    emulation may need more.
+#   VM_TEST_ENV      NAME=VALUE words put in the tests' environment.
+#   VM_TEST_DRIVER   1 builds bin/modeguard (-race) on the host first and
+#                    gives its path to the tests (MODEGUARD_TEST_BINARY), for
+#                    tests that run the driver's binary: a build under
+#                    emulation would take minutes.
 set -euo pipefail
 
 test_pkg=${VM_TEST_PKG:-pkg/backend/nfs/projquota}
@@ -55,8 +60,9 @@ kver=${kernel_pkg#linux-image-}
 # kept in $work between runs; the rest of the unpacked packages is not. The
 # initramfs is made again when the module list changes (initrd.mods).
 # ext4: the image store's ext4 volumes grow online only with
-# CAP_SYS_RESOURCE, which the VM's root has.
-mods="virtio_pci 9pnet_virtio 9p crc32c_generic xfs loop ext4"
+# CAP_SYS_RESOURCE, which the VM's root has. veth and bridge: tests that
+# run ganesha and NFS clients in network namespaces of their own.
+mods="virtio_pci 9pnet_virtio 9p crc32c_generic xfs loop ext4 veth bridge"
 if [ ! -f "kernel/boot/vmlinuz-$kver" ] || [ ! -f initrd.gz ] || [ "$(cat initrd.mods 2>/dev/null)" != "$mods" ]; then
 	rm -rf kernel busybox initrd initrd.gz ./*.deb
 	apt-get download -qq "$kernel_pkg" busybox-static 2>/dev/null
@@ -88,6 +94,7 @@ mount -t proc proc /host/proc
 mount -t sysfs sys /host/sys
 mount -t devtmpfs dev /host/dev
 mount -t tmpfs tmp /host$work/tmp
+mount -t tmpfs run /host/run
 chroot /host /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \\
 	HOME=/root TMPDIR=$work/tmp /bin/sh $work/guest.sh
 sync
@@ -101,9 +108,16 @@ EOF
 fi
 
 (cd "$pkgdir" && go test "${race[@]}" -c -o "$work/$test_bin" .)
+test_env=(${VM_TEST_ENV:-})
+if [ "${VM_TEST_DRIVER:-0}" = 1 ]; then
+	(cd "$pkgdir" && go build -race -o "$work/modeguard" github.com/modeguard/modeguard/cmd/modeguard)
+	test_env+=("MODEGUARD_TEST_BINARY=$work/modeguard")
+fi
 mkdir -p tmp
 {
 	echo "cd '$pkgdir'"
+	echo 'ip link set lo up'
+	for e in "${test_env[@]}"; do printf 'export %q\n' "$e"; done
 	printf '%q ' "$work/$test_bin" -test.v -test.count=1 "$@"
 	echo
 	echo 'status=$?'
