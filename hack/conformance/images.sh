@@ -16,8 +16,8 @@ REPO="$(cd "$HERE/../.." && pwd)"
 BUILD="${BUILD_DIR:-$REPO/_build}"
 OUT="$BUILD/conformance/images"
 BUSYBOX="$BUILD/debs/root/bin/busybox"
-AGNHOST="$BUILD/conformance/agnhost"
-DEBIAN="$BUILD/images/debian-bookworm-minbase.tar"
+AGNHOST="$BUILD/conformance/bin/agnhost"
+DEBIAN="$BUILD/images/base/debian-bookworm-minbase.tar"
 REG=registry.k8s.io/e2e-test-images
 log() { printf '[conformance-images %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 # shellcheck source=../local-cluster/archive.sh

@@ -72,9 +72,9 @@ log "running $DRIVER: suites ($SUITES) with $PROCS workers; log in $REPORT/e2e.l
 start=$(date +%s)
 rc=0
 # From the scratch module, whose go.mod has the ginkgo the CLI was built from.
-(cd "$HERE/e2e-build" && "$OUT/ginkgo" --procs="$PROCS" --focus="$focus" "${skip_args[@]}" \
+(cd "$HERE/e2e-build" && "$OUT/bin/ginkgo" --procs="$PROCS" --focus="$focus" "${skip_args[@]}" \
     --timeout="${GINKGO_TIMEOUT:-4h}" --no-color --silence-skips --junit-report=junit.xml --output-dir="$REPORT" \
-    "$OUT/e2e.test" -- \
+    "$OUT/bin/e2e.test" -- \
     -storage.testdriver="$DRIVER_FILE" -repo-root="$REPO" \
     -kubeconfig="$KUBECONFIG" -provider=skeleton -node-os-distro=debian \
     -disable-log-dump -report-dir="$REPORT") >"$REPORT/e2e.log" 2>&1 || rc=$?

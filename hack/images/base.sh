@@ -6,8 +6,9 @@
 #                           /usr/local/go (GOPATH=/go, PATH set)
 # Both are stored in buildah's (rootful) storage under the short name and the
 # docker.io/library/ name, so `buildah bud` / `buildah from --pull=never` find
-# them. The rootfs tarball is cached in _build/images/ (rebuilt only with
-# FORCE=1 or when missing).
+# them. The rootfs tarball is cached in _build/images/base, a directory of
+# the machine's cache (hack/cache.sh), and each image is made again only when
+# its inputs changed (FORCE=1 makes everything again).
 #
 # Needs root. Installs debootstrap and buildah with apt-get if missing.
 # Usage: hack/images/base.sh
@@ -23,7 +24,6 @@ MIRROR=${MIRROR:-http://deb.debian.org/debian}
 SECURITY_MIRROR=${SECURITY_MIRROR:-${MIRROR%/debian*}/debian-security}
 GOROOT_HOST=${GOROOT_HOST:-/usr/local/go}
 GO_TAG=${GO_TAG:-1.26-bookworm}
-ROOTFS_TAR=$OUT/debian-$SUITE-minbase.tar
 
 # crun here fails with "cgroups in hybrid mode not supported" (cgroup v1
 # host); chroot isolation needs no OCI runtime and shares the host network.
@@ -44,6 +44,11 @@ if ((${#need[@]})); then
   fi
 fi
 mkdir -p "$OUT"
+# The rootfs tarball lives in the machine's cache (hack/cache.sh).
+# shellcheck source=../cache.sh
+source "$ROOT/hack/cache.sh"
+cache_dir base-rootfs "$OUT/base" "${BASH_SOURCE[0]}" "$SUITE"
+ROOTFS_TAR=$OUT/base/debian-$SUITE-minbase.tar
 ctr=
 trap '[[ -n $ctr ]] && buildah rm "$ctr" >/dev/null 2>&1' ERR   # no stray working containers
 
@@ -83,7 +88,18 @@ else
   log "rootfs cached: $ROOTFS_TAR"
 fi
 
+# The images are made again only when what they are made from changed:
+# each carries the key of its inputs as a label. Kept, an image keeps its
+# id, and so buildah's cache of the layers built on it (the Dockerfile's
+# apt-get and go mod download steps) stays valid.
+label_of() { buildah inspect --type image --format '{{index .OCIv1.Config.Labels "io.modeguard.base-key"}}' "$1" 2>/dev/null || true; }
+debian_key=$(cache_key "${BASH_SOURCE[0]}" "$SUITE" "$(sha256sum <"$ROOTFS_TAR")")
+golang_key=$(cache_key "$debian_key" "$("$GOROOT_HOST/bin/go" version)" "${HOST_CAS:-1}" /usr/local/share/ca-certificates/*.crt)
+
 # 2. debian:bookworm-slim = the rootfs as one layer
+if [[ $(label_of "docker.io/library/debian:$SUITE-slim") == "$debian_key" && ${FORCE:-0} != 1 ]]; then
+  log "image debian:$SUITE-slim: up to date"
+else
 log "image debian:$SUITE-slim"
 ctr=$(buildah from scratch)
 mnt=$(buildah mount "$ctr")
@@ -91,11 +107,16 @@ tar --numeric-owner --xattrs -C "$mnt" -xf "$ROOTFS_TAR"
 buildah umount "$ctr" >/dev/null
 buildah config --os linux --arch amd64 \
   --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-  --cmd '["bash"]' --label "io.modeguard.base=debootstrap minbase $SUITE" "$ctr"
+  --cmd '["bash"]' --label "io.modeguard.base=debootstrap minbase $SUITE" \
+  --label "io.modeguard.base-key=$debian_key" "$ctr"
 buildah commit --rm -q "$ctr" "docker.io/library/debian:$SUITE-slim" >/dev/null
 buildah tag "docker.io/library/debian:$SUITE-slim" "localhost/debian:$SUITE-slim"
+fi
 
 # 3. golang:1.26-bookworm = debian + ca-certificates + git + host Go
+if [[ $(label_of "docker.io/library/golang:$GO_TAG") == "$golang_key" && ${FORCE:-0} != 1 ]]; then
+  log "image golang:$GO_TAG: up to date"
+else
 log "image golang:$GO_TAG (Go from $GOROOT_HOST: $("$GOROOT_HOST/bin/go" version))"
 ctr=$(buildah from --pull=never "docker.io/library/debian:$SUITE-slim")
 # This machine's HTTPS egress (Go proxy) is re-signed by a local CA that the
@@ -115,9 +136,10 @@ buildah config \
   --env GOLANG_VERSION="$("$GOROOT_HOST/bin/go" env GOVERSION | sed 's/^go//')" \
   --env GOTOOLCHAIN=local --env GOPATH=/go \
   --env PATH=/go/bin:/usr/local/go/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-  --workingdir /go --cmd '["bash"]' "$ctr"
+  --workingdir /go --cmd '["bash"]' --label "io.modeguard.base-key=$golang_key" "$ctr"
 buildah commit --rm -q "$ctr" "docker.io/library/golang:$GO_TAG" >/dev/null
 buildah tag "docker.io/library/golang:$GO_TAG" "localhost/golang:$GO_TAG"
+fi
 # Images a rerun replaced.
 buildah rmi --prune >/dev/null 2>&1 || true
 

@@ -47,6 +47,12 @@ NO_IMAGE=" snapshot-controller "
 
 log() { printf '[sidecars %s] %s\n' "$(date +%T)" "$*" >&2; }
 
+# The built sidecars live in the machine's cache (hack/cache.sh), keyed by
+# this script (their versions) and the Go toolchain.
+# shellcheck source=../cache.sh
+source "$ROOT/hack/cache.sh"
+cache_dir sidecars "$WORK" "${BASH_SOURCE[0]}"
+
 # The tag the manifests expect for registry.k8s.io/sig-storage/<name>.
 manifest_ref() {
   local name=$1 ref

@@ -6,7 +6,8 @@
 #   _build/debs/root/usr/bin/{etcd,etcdctl,containerd,containerd-shim-runc-v2,ctr,runc,busybox}
 #     unpacked from Debian .debs (apt-get download + dpkg-deb -x, nothing installed system-wide);
 #   _build/cni/bin/modeguard-veth, the tiny CNI plugin (shell) from hack/local-cluster/cni.
-# Everything is cached: a binary that is already present is not rebuilt (FORCE=1 rebuilds).
+# Everything is cached: a binary that is already present is not rebuilt (FORCE=1 rebuilds);
+# Kubernetes' binaries in the machine's cache (hack/cache.sh), for every clone.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -20,6 +21,11 @@ FORCE="${FORCE:-0}"
 
 log() { printf '[build %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
+# Kubernetes' binaries live in the machine's cache (hack/cache.sh), keyed by
+# what they are built from.
+# shellcheck source=../cache.sh
+source "$REPO/hack/cache.sh"
+cache_dir k8s "$BUILD/k8s" "$HERE/k8s-version.sh" "$HERE"/k8s-build/go.mod "$HERE"/k8s-build/go.sum "$HERE"/k8s-build/*.go "${BASH_SOURCE[0]}"
 mkdir -p "$K8S_BIN" "$DEBS/pkgs" "$DEBS/root" "$BUILD/cni/bin"
 
 # --- Debian packages -------------------------------------------------------
