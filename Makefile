@@ -5,7 +5,7 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 GOTEST_FLAGS ?= -race -count=1
 
-.PHONY: all build image bench cluster-up cluster-down conformance demo helm-lint test test-vm test-e2e test-unit test-integration test-sanity fuzz vet fmt-check clean
+.PHONY: tools-dir all build image bench cluster-up cluster-down conformance demo helm-lint test test-all test-static test-go test-fuzz test-leftovers test-vm test-vm-nfs-quota test-e2e test-unit test-integration test-sanity fuzz vet fmt-check clean
 
 all: build
 
@@ -35,7 +35,7 @@ KUSTOMIZE_VERSION := v5.7.1
 KUSTOMIZE := $(CURDIR)/_build/tools/kustomize
 export KUSTOMIZE
 
-$(KUSTOMIZE):
+$(KUSTOMIZE): | tools-dir
 	GOBIN=$(CURDIR)/_build/tools $(GO) install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION)
 
 # Helm v3, pinned like kustomize and built from the module proxy: the chart
@@ -51,7 +51,12 @@ HELM_LDFLAGS := -X helm.sh/helm/v3/internal/version.version=$(HELM_VERSION) \
 	-X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=37 \
 	-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=37
 
-$(HELM):
+# _build/tools is a directory of the machine's cache (hack/cache.sh), keyed
+# by the tools' versions and link flags.
+tools-dir:
+	@bash -c 'source hack/cache.sh && cache_dir tools _build/tools $(KUSTOMIZE_VERSION) $(HELM_VERSION) "$(HELM_LDFLAGS)"'
+
+$(HELM): | tools-dir
 	GOBIN=$(CURDIR)/_build/tools $(GO) install -ldflags '$(HELM_LDFLAGS)' helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
 
 helm-lint: $(HELM)
@@ -74,7 +79,7 @@ cluster-down:
 	bash hack/local-cluster/down.sh
 
 # The stories of deploy/examples end to end on that cluster (test/e2e), then
-# CONFORMANCE_SUBSET of Kubernetes' storage suites; the cluster goes down
+# CONFORMANCE_SUITES of Kubernetes' storage suites; the cluster goes down
 # afterwards whatever the result. The cluster comes up with the kustomize
 # overlay (make cluster-up, its smoke claim written), which is then replaced
 # by the Helm chart: the tests run against the chart's installation, and
@@ -84,7 +89,7 @@ test-e2e: $(HELM)
 	if $(MAKE) cluster-up && DEPLOY_WITH=helm bash hack/local-cluster/deploy.sh; then \
 		MODEGUARD_E2E_KUBECONFIG=$(CURDIR)/_build/cluster/admin.kubeconfig \
 			$(GO) test $(GOTEST_FLAGS) -timeout 30m -v ./test/e2e/ || rc=$$?; \
-		KUBECONFIG=$(CURDIR)/_build/cluster/admin.kubeconfig SUITES='$(CONFORMANCE_SUBSET)' \
+		KUBECONFIG=$(CURDIR)/_build/cluster/admin.kubeconfig SUITES='$(CONFORMANCE_SUITES)' \
 			bash hack/conformance/run.sh || rc=$${rc/#0/1}; \
 		bash hack/local-cluster/undeploy.sh || rc=$${rc/#0/1}; \
 	else rc=1; fi; \
@@ -94,10 +99,15 @@ test-e2e: $(HELM)
 # Kubernetes' external storage e2e suites (e2e.test v1.34.4 from the module
 # proxy) against the driver on that cluster, with the driver files of
 # test/conformance; docs/conformance.md has the results and the reason for
-# every skip. make test-e2e runs CONFORMANCE_SUBSET of the block driver;
-# make conformance runs every suite of both driver files (cluster brought up
-# when none answers, left up afterwards: make cluster-down).
-CONFORMANCE_SUBSET := read-write-once-pod|volume-modify|multiVolume|topology|provisioning|snapshottable|capacity
+# every skip. make test-e2e runs CONFORMANCE_SUITES of the block driver:
+# CONFORMANCE_GATE in make test, every suite (CONFORMANCE_ALL) in make
+# test-all. The gate keeps the suites the stories of test/e2e do not
+# already cover. make conformance runs every suite of both driver files
+# (cluster brought up when none answers, left up afterwards: make
+# cluster-down).
+CONFORMANCE_GATE := provisioning|read-write-once-pod
+CONFORMANCE_ALL := provisioning|volume-modify|volumes|volumeIO|volumeMode|subPath|multiVolume|read-write-once-pod|topology|snapshottable|volume-expand|fsgroupchangepolicy|ephemeral|volumeLimits|capacity|snapshottable-stress|volume-stress
+CONFORMANCE_SUITES ?= $(CONFORMANCE_GATE)
 conformance: build $(KUSTOMIZE)
 	@rc=0; \
 	DRIVER=block bash hack/conformance/run.sh || rc=1; \
@@ -114,13 +124,33 @@ bench: build
 demo: build ## a controller and three node plugins in two zones, walked through the stories
 	./bin/modeguard demo
 
-# Every test. Tests that need root, loop devices and mounts skip themselves
-# (and say so) when run unprivileged; CI runs them as root.
-test: fmt-check vet build $(KUSTOMIZE) helm-lint
-	$(GO) test $(GOTEST_FLAGS) -timeout 30m ./...
+# make test is CI's gate: every access-mode rule, every backend and storage,
+# both transports, the kernel NFS client, the stories on the local cluster
+# and a conformance subset, well inside CI's 90 minutes (README, Tests).
+# make test-all runs everything: the gate's phases with their whole suites
+# (every VM test, every conformance suite) and what only it runs. Both run
+# their phases one after the other whatever fails, and end with a table of
+# what each took (hack/phases.sh). Tests that need root, loop devices and
+# mounts skip themselves (and say so) when run unprivileged; CI runs them as
+# root.
+GATE_PHASES := static=test-static go=test-go fuzz=test-fuzz vm-quota=test-vm e2e=test-e2e leftovers=test-leftovers
+test: tools-dir
+	@bash hack/phases.sh "make test" $(GATE_PHASES)
+
+# MODEGUARD_TESTS=all: the VM tests the gate leaves out (testenv.OnlyInTestAll).
+test-all: tools-dir
+	@MODEGUARD_TESTS=all CONFORMANCE_SUITES='$(CONFORMANCE_ALL)' \
+		bash hack/phases.sh "make test-all" $(GATE_PHASES) vm-nfs-quota=test-vm-nfs-quota
+
+test-static: fmt-check vet build $(KUSTOMIZE) helm-lint
+
+test-go:
+	$(GO) test $(GOTEST_FLAGS) -timeout 40m ./...
+
+test-fuzz:
 	$(MAKE) fuzz FUZZTIME=20000x
-	$(MAKE) test-vm
-	$(MAKE) test-e2e
+
+test-leftovers:
 	bash hack/check-leftovers.sh
 
 # Tests that need a kernel or a capability this machine may lack (xfs quota
@@ -129,6 +159,13 @@ test: fmt-check vet build $(KUSTOMIZE) helm-lint
 test-vm:
 	bash test/vm/projquota.sh
 	VM_TEST_PKG=pkg/backend/nfs/imagestore bash test/vm/projquota.sh -test.run 'TestExt4Images|TestGrowOnline|TestGrowAndUsageMountWhatRestoreLeftOut'
+
+# The NFS restart, fence and churn tests of test/integration with the quota
+# storage, in that VM (the gate runs them here with the image storage):
+# about 13 minutes under emulation.
+NFS_QUOTA_VM_TESTS := TestNFS(RepublishAfterARestart|FenceLiftAfterARestart|ExportsUnderRandomChurn|FenceListFollowedAfterACrash)/quota
+test-vm-nfs-quota:
+	VM_TEST_PKG=test/integration VM_TEST_DRIVER=1 VM_TEST_TIMEOUT=3600 bash test/vm/projquota.sh -test.run '$(NFS_QUOTA_VM_TESTS)'
 
 test-unit:
 	$(GO) test $(GOTEST_FLAGS) -short ./pkg/...

@@ -26,6 +26,20 @@ func RequireRoot(t testing.TB) {
 	}
 }
 
+// SuiteEnv selects the tests that run only in make test-all: "all" runs
+// them. make test, CI's gate, leaves it unset and runs, of the slow suites
+// (VMs under emulation), the tests each promise of the driver rests on.
+const SuiteEnv = "MODEGUARD_TESTS"
+
+// OnlyInTestAll skips a test make test does not run, saying what covers
+// its promise there instead.
+func OnlyInTestAll(t testing.TB, coveredBy string) {
+	t.Helper()
+	if os.Getenv(SuiteEnv) != "all" {
+		t.Skipf("runs in make test-all (%s=all); make test covers it with %s", SuiteEnv, coveredBy)
+	}
+}
+
 // Tmpfs mounts a tmpfs of the given size in a fresh temp dir and registers
 // cleanup: every mount below it is unmounted (deepest first) and every loop
 // device backed by a file below it is detached, then the tmpfs goes.

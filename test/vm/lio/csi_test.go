@@ -594,6 +594,7 @@ func TestCSIOverISCSIModesOnTwoNodes(t *testing.T) {
 // (the driver's records checked against a kernel that has nothing), the
 // node logs in again, and every record it had fsync'd is there.
 func TestCSIOverISCSISurvivesATargetRestartAndANodeReboot(t *testing.T) {
+	testenv.OnlyInTestAll(t, "TestCSIOverISCSIFencesAForceDetachedWriter and TestCSIOverISCSIModesOnTwoNodes (iSCSI)")
 	e := setupCSI(t, 1, "120s")
 	a := e.env.nodes[0].Name
 	v := e.create("lives", mountCapability(accessmode.SingleNodeWriter))
@@ -690,6 +691,7 @@ func TestCSIOverISCSISurvivesATargetRestartAndANodeReboot(t *testing.T) {
 // NodeStageVolume reuses the session rather than logging in twice, and
 // the volume is used and released as usual.
 func TestCSIOverISCSIEndsASessionACrashLeft(t *testing.T) {
+	testenv.OnlyInTestAll(t, "TestCSIOverISCSIFencesAForceDetachedWriter and TestCSIOverISCSIModesOnTwoNodes (iSCSI)")
 	e := setupCSI(t, 1, replacementTimeout)
 	a := e.env.nodes[0].Name
 	vm := e.node(a)
@@ -753,6 +755,7 @@ func TestCSIOverISCSIEndsASessionACrashLeft(t *testing.T) {
 // larger size, and a clone of the origin, are served over iSCSI with the
 // origin's data, the restored one's filesystem grown at its first stage.
 func TestCSIOverISCSISnapshotAndCloneCarryData(t *testing.T) {
+	testenv.OnlyInTestAll(t, "TestCSIOverISCSIFencesAForceDetachedWriter and TestCSIOverISCSIModesOnTwoNodes (iSCSI)")
 	e := setupCSI(t, 1, replacementTimeout)
 	a := e.env.nodes[0].Name
 	c := mountCapability(accessmode.SingleNodeWriter)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
 	"github.com/modeguard/modeguard/pkg/backend/block/lio"
+	"github.com/modeguard/modeguard/test/testenv"
 	"github.com/modeguard/modeguard/test/vm/vmtest"
 )
 
@@ -145,6 +146,7 @@ func readBlock(e *env, vm *vmtest.VM, dev string, n int) []byte {
 // B, now the writer, reads them and writes; A cannot log in again and
 // logs out cleanly.
 func TestKernelInitiatorFindsItsDiskAndIsFenced(t *testing.T) {
+	testenv.OnlyInTestAll(t, "TestCSIOverISCSIFencesAForceDetachedWriter, which fences the kernel initiator through the whole driver")
 	requireInitiatorTools(t)
 	e := setup(t, 2)
 	a, b := e.nodes[0], e.nodes[1]

@@ -15,6 +15,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
 	"github.com/modeguard/modeguard/pkg/backend/block/lio"
 	"github.com/modeguard/modeguard/pkg/volumeid"
+	"github.com/modeguard/modeguard/test/testenv"
 	"github.com/modeguard/modeguard/test/vm/vmtest"
 )
 
@@ -97,6 +98,7 @@ func (e *csiEnv) wantNoStagingMounts(node string) {
 // NodeUnstage are clean. At the end the image checks clean and nothing
 // is left on either node or in LIO.
 func TestCSIOverISCSINetworkFenceCutsOffANode(t *testing.T) {
+	testenv.OnlyInTestAll(t, "TestCSIOverISCSIFencesAForceDetachedWriter (a fence at the target) and TestNetworkFenceOverNFS")
 	e := setupCSI(t, 2, replacementTimeout)
 	a, b := e.env.nodes[0].Name, e.env.nodes[1].Name
 	block := netip.PrefixFrom(e.node(a).Addr, 32).String()

@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
+	"github.com/modeguard/modeguard/test/testenv"
 	"github.com/onsi/ginkgo/v2"
 	"github.com/onsi/gomega"
 )
@@ -17,6 +18,7 @@ import (
 // mounted filesystem) and once with raw block volumes, in one Ginkgo
 // suite (it runs once per process).
 func TestSanityOverISCSIInVM(t *testing.T) {
+	testenv.OnlyInTestAll(t, "test/sanity/target (csi-sanity through a storage target) and the iSCSI tests of test/vm/lio")
 	// The attach limit is small so that its spec fits the target's disk.
 	e := setupCSI(t, 1, replacementTimeout, "--max-volumes-per-node", "3")
 	vm := e.env.nodes[0]

@@ -106,6 +106,7 @@ func attachment(node string, i lio.Initiator, mode accessmode.Mode) accessmode.A
 // restarted target serves the same list again; DeleteVolume leaves
 // nothing in LIO.
 func TestTargetRoleServesAttachmentsOverISCSI(t *testing.T) {
+	testenv.OnlyInTestAll(t, "TestCSIOverISCSIFencesAForceDetachedWriter, which drives the target role through CSI")
 	requireInitiatorTools(t)
 	bin := testenv.BuildBinary(t)
 	e := setup(t, 2)

@@ -210,6 +210,7 @@ func filled(b []byte, v byte) bool {
 // the image, and A cannot log in again while B keeps reading. Unexporting
 // removes everything from configfs and leaves the image.
 func TestLIOTargetEnforcesTheAccessList(t *testing.T) {
+	testenv.OnlyInTestAll(t, "TestCSIOverISCSIModesOnTwoNodes, which checks the access list and read-only writers against the kernel initiator")
 	requireQemuIO(t)
 	e := setup(t, 0)
 	e.target("export", volume, e.image, fmt.Sprint(imageMiB<<20), serial)

@@ -26,6 +26,7 @@ import (
 // 10,000 polls. Once the server answers again, so do the stats, and the
 // volume unstages cleanly.
 func TestStatsOnADeadServerKeepThreadsFlat(t *testing.T) {
+	testenv.OnlyInTestAll(t, "TestKernelNFSAccessModes (the kernel NFS client) and pkg/backend/nfs's bounded statfs")
 	e := setup(t, 1)
 	ctx := e.ctx
 	vm1 := e.vm("vm1")

@@ -12,6 +12,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/nodeid"
+	"github.com/modeguard/modeguard/test/testenv"
 	"github.com/modeguard/modeguard/test/vm/agentapi"
 	"github.com/modeguard/modeguard/test/vm/vmtest"
 )
@@ -31,6 +32,7 @@ import (
 // working on vm1 throughout. Then the fence of the whole node by a
 // csi-addons NetworkFence (fenceByNetwork).
 func TestKernelNFSFenceOfAMountedClient(t *testing.T) {
+	testenv.OnlyInTestAll(t, "TestKernelNFSAccessModes and TestNetworkFenceOverNFS")
 	e := setup(t, 2)
 	for _, otherVolume := range []bool{false, true} {
 		name := "fence-idle"

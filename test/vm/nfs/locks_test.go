@@ -29,6 +29,7 @@ import (
 // length, and once with every known client back, so grace ends as soon as
 // they reclaimed.
 func TestKernelNFSLockSurvivesControllerRestart(t *testing.T) {
+	testenv.OnlyInTestAll(t, "TestKernelNFSAccessModes and the NFS restart tests of test/integration")
 	e := setup(t, 2)
 	ctx, gdir := e.ctx, e.ctrl.GaneshaDir
 	vm1, vm2 := e.vm("vm1"), e.vm("vm2")

@@ -40,6 +40,7 @@ type rebootVolume struct {
 // replayed stage and publish bring each pod its own data back. What the
 // pods write afterwards reaches the volumes, not the node's disk.
 func TestNodeVMRebootKeepsVolumes(t *testing.T) {
+	testenv.OnlyInTestAll(t, "TestKernelNFSAccessModes and TestNodeRebootKeepsEachVolumeItsData")
 	testenv.RequireRoot(t)
 	bin := testenv.BuildBinary(t)
 	c := vmtest.Start(t, vmtest.Options{VMs: 1, Binary: bin, NodeDiskMB: 256})

@@ -15,6 +15,7 @@ import (
 )
 
 func TestSanityNFSKernelClientInVM(t *testing.T) {
+	testenv.OnlyInTestAll(t, "test/sanity/nfs and TestKernelNFSAccessModes")
 	testenv.RequireRoot(t)
 	bin := testenv.BuildBinary(t)
 	c := vmtest.Start(t, vmtest.Options{VMs: 1, Binary: bin})

@@ -118,6 +118,7 @@ func mountLine(t *testing.T, ctx context.Context, vm *vmtest.VM, path string) st
 // and the data found on the server; vm2, to which the volume is not
 // published, cannot mount the export at all.
 func TestVMKernelNFSMount(t *testing.T) {
+	testenv.OnlyInTestAll(t, "the VM tests make test runs, which use the same harness")
 	testenv.RequireRoot(t)
 	for _, tool := range []string{"ganesha.nfsd", "dbus-daemon", "nsenter", "mkfs.xfs"} {
 		if _, err := exec.LookPath(tool); err != nil {
@@ -297,6 +298,7 @@ func TestVMKernelNFSMount(t *testing.T) {
 // TestVMAgent checks the harness itself on one VM: commands, files with
 // their errno, and the plugin's start, restart, kill and a start that fails.
 func TestVMAgent(t *testing.T) {
+	testenv.OnlyInTestAll(t, "the VM tests make test runs, which use the same harness")
 	testenv.RequireRoot(t)
 	bin := filepath.Join(t.TempDir(), "modeguard")
 	if out, err := exec.Command("go", "build", "-o", bin, "github.com/modeguard/modeguard/cmd/modeguard").CombinedOutput(); err != nil {
