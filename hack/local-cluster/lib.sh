@@ -67,8 +67,14 @@ start_node() {
   local N="$NODES_DIR/$name"
   local sock="$N/containerd/containerd.sock" cg="$CGROUP_ROOT/node$idx"
   local p
+  # A kubelet killed a moment ago (reboot-node.sh) may leave its ports taken
+  # for a while on a loaded machine: wait up to 30 s before giving up.
   for p in 10250 10248; do
-    if ss -Hltn "src $ip and sport = :$p" | grep -q .; then die "$ip:$p already in use"; fi
+    local tries=0
+    while ss -Hltn "src $ip and sport = :$p" | grep -q .; do
+      if ((++tries > 300)); then die "$ip:$p already in use: $(ss -Hltnp "src $ip and sport = :$p")"; fi
+      sleep 0.1
+    done
   done
   mkdir -p "$N"/{containerd/root,containerd/state,cni/net.d,cni/data,kubelet/root,kubelet/pki}
   cat >"$N/cni/net.d/10-modeguard.conflist" <<EOF

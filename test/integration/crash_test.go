@@ -79,6 +79,9 @@ func TestCrashPointsCoverEveryDeclaredPoint(t *testing.T) {
 // written and fsync'd before the crash reads back, and nothing is left: no
 // image, metadata, loop device, mount or lock record.
 func TestCrashAtEveryStepConverges(t *testing.T) {
+	// Its own processes, directories and networks: it runs beside the
+	// other tests, most of which mostly wait (grace periods, leases).
+	t.Parallel()
 	testenv.RequireRoot(t)
 	bin := testenv.BuildBinary(t)
 	names := make([]string, 0, len(crashPoints))
@@ -601,6 +604,9 @@ var nfsCrashPoints = []string{
 // exactly what the records say; at the end no export, record, image, loop
 // device or mount is left.
 func TestNFSCrashAtEveryStepConverges(t *testing.T) {
+	// Its own processes, directories and networks: it runs beside the
+	// other tests, most of which mostly wait (grace periods, leases).
+	t.Parallel()
 	testenv.RequireRoot(t)
 	bin := testenv.BuildBinary(t)
 	for i, point := range nfsCrashPoints {

@@ -33,6 +33,9 @@ import (
 // of the controller; a force-detach while fenced frees the volume; lifting
 // the fence gives the node back what it still holds.
 func TestNetworkFenceOverNFS(t *testing.T) {
+	// Its own processes, directories and networks: it runs beside the
+	// other tests, most of which mostly wait (grace periods, leases).
+	t.Parallel()
 	testenv.RequireRoot(t)
 	ganeshatest.RequireCommands(t, "ganesha.nfsd", "dbus-daemon", "nfs-cp", "nfs-cat", "nsenter", "mkfs.xfs", "xfs_quota")
 	net := ganeshatest.Setup(t, ganeshatest.Options{Nodes: 3, Prefix: "mgf"})

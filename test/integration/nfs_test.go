@@ -58,6 +58,9 @@ func startNFSControllerIn(ctx context.Context, t *testing.T, bin string, net *ga
 // clients in node namespaces, that an export is open to exactly the nodes
 // its volume is published to, as the access mode says.
 func TestNFSExportsFollowPublishes(t *testing.T) {
+	// Its own processes, directories and networks: it runs beside the
+	// other tests, most of which mostly wait (grace periods, leases).
+	t.Parallel()
 	testenv.RequireRoot(t)
 	ganeshatest.RequireCommands(t, "ganesha.nfsd", "dbus-daemon", "nfs-cp", "nfs-cat", "nsenter", "mkfs.xfs", "xfs_quota")
 	net := ganeshatest.Setup(t, ganeshatest.Options{Nodes: 2, Prefix: "mgi"})
@@ -425,6 +428,9 @@ func TestNFSExportsFollowPublishes(t *testing.T) {
 // ganesha to a real client: written, snapshotted into a new volume, served
 // again after a restart that mounted neither until their publish.
 func TestNFSExt4ImageVolumes(t *testing.T) {
+	// Its own processes, directories and networks: it runs beside the
+	// other tests, most of which mostly wait (grace periods, leases).
+	t.Parallel()
 	testenv.RequireRoot(t)
 	ganeshatest.RequireCommands(t, "ganesha.nfsd", "dbus-daemon", "nfs-cp", "nfs-cat", "nsenter", "mkfs.ext4")
 	net := ganeshatest.Setup(t, ganeshatest.Options{Nodes: 1, Prefix: "mge"})

@@ -436,6 +436,9 @@ const clientCheckEvery = 5
 // resolve X's path ("resolve_posix_filesystem ... No such file or
 // directory"), nor any new volume's until the next restart.
 func TestNFSRepublishAfterARestart(t *testing.T) {
+	// Its own processes, directories and networks: it runs beside the
+	// other tests, most of which mostly wait (grace periods, leases).
+	t.Parallel()
 	forEachNFSStorage(t, func(t *testing.T, flags []string) {
 		w := newNFSWorld(t, 2, flags...)
 		const a, b = 0, 1
@@ -475,6 +478,9 @@ func TestNFSRepublishAfterARestart(t *testing.T) {
 // A and B fenced together; both lifted. Every lift must serve the nodes
 // what they hold again, and ListClusterFence must match what is served.
 func TestNFSFenceLiftAfterARestart(t *testing.T) {
+	// Its own processes, directories and networks: it runs beside the
+	// other tests, most of which mostly wait (grace periods, leases).
+	t.Parallel()
 	forEachNFSStorage(t, func(t *testing.T, flags []string) {
 		w := newNFSWorld(t, 2, flags...)
 		const a, b = 0, 1
@@ -537,6 +543,9 @@ func (w *nfsWorld) checkFenceList(when string) {
 // unfenced attachment reads and writes its volume, and no other node
 // reads it. MODEGUARD_STRESS_SEED replays a run.
 func TestNFSExportsUnderRandomChurn(t *testing.T) {
+	// Its own processes, directories and networks: it runs beside the
+	// other tests, most of which mostly wait (grace periods, leases).
+	t.Parallel()
 	seed := uint64(time.Now().UnixNano())
 	if v := os.Getenv("MODEGUARD_STRESS_SEED"); v != "" {
 		s, err := strconv.ParseUint(v, 10, 64)
@@ -623,6 +632,9 @@ var fenceCrashPoints = []string{"driver.fence.list-written"}
 // call never finished, and after the lift served again, never cut off
 // with no fence listed.
 func TestNFSFenceListFollowedAfterACrash(t *testing.T) {
+	// Its own processes, directories and networks: it runs beside the
+	// other tests, most of which mostly wait (grace periods, leases).
+	t.Parallel()
 	forEachNFSStorage(t, func(t *testing.T, flags []string) {
 		w := newNFSWorld(t, 2, flags...)
 		const a, b = 0, 1

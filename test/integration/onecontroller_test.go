@@ -41,6 +41,9 @@ func TestOneControllerActsAtATime(t *testing.T) {
 // The first controller dies without giving the lease back, so the second
 // takes over once the lease's term has run out.
 func TestOneControllerPerStorageTarget(t *testing.T) {
+	// Its own processes, directories and networks: it runs beside the
+	// other tests, most of which mostly wait (grace periods, leases).
+	t.Parallel()
 	testenv.RequireRoot(t)
 	bin := testenv.BuildBinary(t)
 	work := t.TempDir()

@@ -801,6 +801,9 @@ func stressDuration(t *testing.T) time.Duration {
 // code the spec allows for the call, and the one the test's model of what
 // succeeded predicts. At the end everything is undone and nothing is left.
 func TestStressInvariants(t *testing.T) {
+	// Its own processes, directories and networks: it runs beside the
+	// other tests, most of which mostly wait (grace periods, leases).
+	t.Parallel()
 	testenv.RequireRoot(t)
 	dur := stressDuration(t)
 	bin := testenv.BuildBinary(t)
