@@ -35,7 +35,9 @@ stop_pid() {
 }
 
 # A recorded PID counts only while it still runs one of our binaries (guards against reuse).
-ours() { [[ "$(readlink "/proc/$1/exe" 2>/dev/null)" == "$BUILD/"* ]]; }
+# shellcheck source=ours.sh
+source "$HERE/ours.sh"
+ours() { ours_exe "$1"; }
 declare -A PID_OF=()
 if [[ -s "$C/pids" ]]; then
   while read -r name pid; do

@@ -16,6 +16,8 @@ P="$C/pki"
 NODES_DIR="$C/nodes"
 KUBECTL=(kubectl --kubeconfig "$C/admin.kubeconfig")
 
+# shellcheck source=ours.sh
+source "$HERE/ours.sh"
 log() { printf '[%s %s] %s\n' "$LOG_TAG" "$(date +%H:%M:%S)" "$*"; }
 die() { printf '[%s %s] ERROR: %s\n' "$LOG_TAG" "$(date +%H:%M:%S)" "$*" >&2; exit 1; }
 

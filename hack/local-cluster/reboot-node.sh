@@ -34,7 +34,7 @@ N="$NODES_DIR/$node"
 recorded_pid() {
   local pid
   pid=$(awk -v n="$1" '$1 == n {p = $2} END {print p}' "$C/pids")
-  [[ -n "$pid" && "$(readlink "/proc/$pid/exe" 2>/dev/null)" == "$BUILD/"* ]] && echo "$pid"
+  [[ -n "$pid" ]] && ours_exe "$pid" && echo "$pid"
   return 0
 }
 # kill_now PID: SIGKILL and wait until it is gone (reparented to init, which reaps it).
