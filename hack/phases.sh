@@ -9,8 +9,9 @@
 # A phase written bg:NAME=TARGET starts in the background and goes on
 # beside the phases that follow (builds that only need the CPU the tests
 # leave idle); wait:NAME waits for it there and prints its output. Its row
-# in the table gives its own duration; the wait's row how long the phases
-# after it waited for it.
+# in the table gives its own duration (and the CPU left idle from its
+# start until it was waited for); the wait's row how long the phases after
+# it waited for it.
 #
 # Usage: hack/phases.sh TITLE PHASE...   PHASE: NAME=TARGET | bg:NAME=TARGET | wait:NAME
 # Environment: MAKE (make), PHASES_FILE (also write the table there).
@@ -51,7 +52,12 @@ for phase in "$@"; do
 		bg_log[$name]=$workdir/$name.log
 		bg_start[$name]=$(date +%s)
 		read -r "bg_idle0[$name]" "bg_total0[$name]" < <(cpu_sample)
-		$MAKE --no-print-directory "$target" >"${bg_log[$name]}" 2>&1 &
+		# Its own end is written down when it comes, not when it is
+		# waited for.
+		( $MAKE --no-print-directory "$target" >"${bg_log[$name]}" 2>&1
+		  rc=$?
+		  date +%s >"$workdir/$name.end"
+		  exit $rc ) &
 		bg_pid[$name]=$!
 		continue
 		;;
@@ -61,10 +67,11 @@ for phase in "$@"; do
 		t0=$(date +%s)
 		if wait "${bg_pid[$name]}"; then result=ok; else result=FAILED; fi
 		t1=$(date +%s)
+		end=$(cat "$workdir/$name.end" 2>/dev/null || echo "$t1")
 		printf '=== output of phase %s:\n' "$name"
 		cat "${bg_log[$name]}"
-		printf '=== phase %s %s after %d s\n' "$name" "$result" $((t1 - bg_start[$name]))
-		record "$name (bg)" $((t1 - bg_start[$name])) "$(idle_since "${bg_idle0[$name]}" "${bg_total0[$name]}")" "$result"
+		printf '=== phase %s %s after %d s\n' "$name" "$result" $((end - bg_start[$name]))
+		record "$name (bg)" $((end - bg_start[$name])) "$(idle_since "${bg_idle0[$name]}" "${bg_total0[$name]}")" "$result"
 		record "wait $name" $((t1 - t0)) - ok
 		continue
 		;;
