@@ -17,6 +17,8 @@ import (
 	"syscall"
 	"time"
 
+	logsapi "k8s.io/component-base/logs/api/v1"
+	_ "k8s.io/component-base/logs/json/register" // --logging-format=json
 	"k8s.io/klog/v2"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
@@ -93,6 +95,7 @@ type options struct {
 	pools       poolFlag
 	metricsAddr string
 	showVersion bool
+	logging     *logsapi.LoggingConfiguration
 	nfs         nfs.Options
 	// fenceFile is where the controller keeps its network fences.
 	fenceFile string
@@ -115,6 +118,15 @@ type options struct {
 	// Registration with the kubelet, for nodes without node-driver-registrar.
 	kubeletRegistrationDir  string
 	kubeletRegistrationPath string
+}
+
+// rolesOf spells roles as the flag does.
+func rolesOf(roles []driver.Role) []string {
+	out := make([]string, len(roles))
+	for i, r := range roles {
+		out[i] = string(r)
+	}
+	return out
 }
 
 // byteSize is a flag holding bytes, written plainly or with a binary suffix
@@ -146,6 +158,19 @@ func (b byteSize) Set(s string) error {
 
 func parseFlags(args []string) (*options, error) {
 	o := &options{pools: poolFlag{}, targets: targetFlag{}}
+	fs := flagSet(o)
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+	}
+	return o, nil
+}
+
+// flagSet is the command line of modeguard serving CSI, filling o; the
+// reference's flag table is checked against it (docs_test.go).
+func flagSet(o *options) *flag.FlagSet {
 	fs := flag.NewFlagSet("modeguard", flag.ContinueOnError)
 	fs.StringVar(&o.endpoint, "endpoint", "unix:///run/modeguard/csi.sock",
 		"where to serve CSI: unix:///path/to/socket or tcp://host:port")
@@ -199,20 +224,16 @@ func parseFlags(args []string) (*options, error) {
 	fs.StringVar(&o.kubeletRegistrationPath, "kubelet-registration-path", "",
 		"node: the CSI socket's path as the kubelet sees it (default: the --endpoint socket path)")
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
-	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
-	klog.InitFlags(klogFlags)
-	fs.Var(klogFlags.Lookup("v").Value, "v", "log verbosity: 0 state changes and refusals, 2 failed calls, 4 every call")
+	// Kubernetes' logging options: -v (0: state changes, refusals and
+	// failed calls; 4: every call, secrets stripped), --vmodule, and
+	// --logging-format=json for one JSON object per line.
+	o.logging = logsapi.NewLoggingConfiguration()
+	logsapi.AddGoFlags(o.logging, fs)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: modeguard [flags]\n       modeguard demo [--help]\n       modeguard inspect [--help]\n\nA CSI driver whose access modes hold. Flags:\n")
 		fs.PrintDefaults()
 	}
-	if err := fs.Parse(args); err != nil {
-		return nil, err
-	}
-	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("unexpected argument %q", fs.Arg(0))
-	}
-	return o, nil
+	return fs
 }
 
 func parseRoles(s string) ([]driver.Role, error) {
@@ -276,7 +297,7 @@ func run(o *options) error {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	if o.metricsAddr != "" {
-		cfg.Metrics = metrics.New()
+		cfg.Metrics = metrics.New(version, rolesOf(roles))
 		o.nfs.ControlFailed = cfg.Metrics.NFSControlFailed
 	}
 	if slices.Contains(roles, driver.RoleNode) {
@@ -487,6 +508,10 @@ func main() {
 	if o.showVersion {
 		fmt.Println(version)
 		return
+	}
+	if err := logsapi.ValidateAndApply(o.logging, nil); err != nil {
+		fmt.Fprintln(os.Stderr, "modeguard:", err)
+		os.Exit(2)
 	}
 	if err := run(o); err != nil {
 		klog.ErrorS(err, "modeguard failed")

@@ -186,7 +186,7 @@ func (d *Driver) setMetricSources() {
 		}
 	}
 	if d.state != nil {
-		src.NodeID, src.Holders = d.nodeID, d.state
+		src.Node, src.Zone, src.Holders = d.cfg.NodeName, d.cfg.Zone, d.state
 	}
 	d.cfg.Metrics.SetSources(src)
 }

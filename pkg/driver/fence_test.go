@@ -107,7 +107,7 @@ func TestNetworkFenceRefusesBadRequests(t *testing.T) {
 // volumes fails and says so; the fence is in force all the same for what
 // the controller decides (attaches), survives a restart, and lifts.
 func TestNetworkFenceOnTheLoopTransport(t *testing.T) {
-	m := metrics.New()
+	m := metrics.New("test", []string{"controller", "node"})
 	e := newEnv(t, 0, withFenceFile, func(e *env) { e.metrics = m })
 	srv := serveMetrics(t, m)
 	fc := fence.NewFenceControllerClient(e.conn)

@@ -152,7 +152,7 @@ func serveMetrics(t *testing.T, m *metrics.Metrics) *metrics.Server {
 // HTTP: the refusals, the calls, the volume, the pool and the lock files
 // must all show, and after the cleanup all must be gone again.
 func TestMetricsOverHTTP(t *testing.T) {
-	m := metrics.New()
+	m := metrics.New("test", []string{"controller", "node"})
 	e := newEnv(t, 0, func(e *env) { e.metrics = m })
 	srv := serveMetrics(t, m)
 	const (
@@ -211,7 +211,9 @@ func TestMetricsOverHTTP(t *testing.T) {
 	}
 	want(t, f, "modeguard_pool_committed_bytes", pool, float64(volumeSize))
 
-	node := map[string]string{"node": e.nodeID()}
+	// The node's name and zone, not its CSI node id (which carries its
+	// address): a series must not change when the address does.
+	node := map[string]string{"node": e.nodeName, "zone": testZone}
 	want(t, f, "modeguard_node_volume_holders", node, 1)
 	want(t, f, "modeguard_node_staged_volumes", node, 1)
 	if _, ok := f["modeguard_nfs_exports"]; ok {

@@ -216,7 +216,7 @@ func TestControllerPublishNodeChecks(t *testing.T) {
 
 func TestControllerPublishAttachLimit(t *testing.T) {
 	const limit = 2
-	m := metrics.New()
+	m := metrics.New("test", []string{"controller", "node"})
 	e := newEnv(t, limit, func(e *env) { e.metrics = m })
 	c := blockCap(accessmode.SingleNodeWriter)
 	var vols []string

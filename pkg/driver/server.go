@@ -112,14 +112,14 @@ func (d *Driver) controllerGate(ctx context.Context, req any, info *grpc.UnarySe
 }
 
 // logCalls logs every request and response with secrets stripped, so that
-// nothing a CO passes as a secret reaches the log.
+// nothing a CO passes as a secret reaches the log, and every failed call as
+// an error, at any verbosity.
 func logCalls(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 	start := time.Now()
 	klog.V(4).InfoS("Call", "method", info.FullMethod, "request", protosanitizer.StripSecrets(req))
 	resp, err := handler(ctx, req)
 	if err != nil {
-		klog.V(2).InfoS("Call failed", "method", info.FullMethod, "code", status.Code(err),
-			"error", status.Convert(err).Message(), "duration", time.Since(start))
+		klog.ErrorS(err, "Call failed", "method", info.FullMethod, "code", status.Code(err), "duration", time.Since(start))
 	} else {
 		klog.V(4).InfoS("Call done", "method", info.FullMethod, "response", protosanitizer.StripSecrets(resp),
 			"duration", time.Since(start))

@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"maps"
 	"net/http"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -78,10 +79,11 @@ type Metrics struct {
 	state            *stateCollector
 }
 
-// New makes the metrics and their registry. Nothing is served until
+// New makes the metrics and their registry, with modeguard_build_info for
+// this binary (its version, Go version and roles). Nothing is served until
 // Handler or Start is used; the scrape-time metrics appear once a driver
 // hands its sources to SetSources.
-func New() *Metrics {
+func New(version string, roles []string) *Metrics {
 	m := &Metrics{
 		reg: prometheus.NewRegistry(),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -105,7 +107,14 @@ func New() *Metrics {
 		}, []string{"operation"}),
 		state: newStateCollector(),
 	}
+	buildInfo := prometheus.NewGauge(prometheus.GaugeOpts{
+		Namespace: namespace, Name: "build_info",
+		Help:        "Always 1: the binary's version, the Go version it was built with, and the roles it serves.",
+		ConstLabels: prometheus.Labels{"version": version, "goversion": runtime.Version(), "roles": strings.Join(roles, ",")},
+	})
+	buildInfo.Set(1)
 	m.reg.MustRegister(
+		buildInfo,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.requests, m.durations, m.refused, m.nfsControlErrors, m.state,
@@ -133,12 +142,15 @@ type klogLogger struct{}
 func (klogLogger) Println(v ...any) { klog.ErrorS(nil, "Serving metrics", "error", fmt.Sprint(v...)) }
 
 // Sources are what the scrape-time metrics are read from. A process with
-// the controller role sets Controllers; one with the node role sets NodeID
-// and Holders.
+// the controller role sets Controllers; one with the node role sets Node,
+// Zone and Holders.
 type Sources struct {
 	Controllers map[accessmode.Backend]backend.Controller
-	NodeID      string
-	Holders     HolderLister
+	// Node is the node's name (its --node-id), not its CSI node id: the
+	// id carries the node's address, and a series named by it would end
+	// and start anew whenever the address changes.
+	Node, Zone string
+	Holders    HolderLister
 	// FencedBlocks counts the network fences in force (nil: the
 	// controller keeps none).
 	FencedBlocks func() int
@@ -252,9 +264,9 @@ func newStateCollector() *stateCollector {
 		poolCommitted: prometheus.NewDesc(name("pool_committed_bytes"),
 			"Bytes a pool has promised: its volumes' capacities (NFS: and its snapshots' sizes).", []string{"backend", "zone"}, nil),
 		holders: prometheus.NewDesc(name("node_volume_holders"),
-			"Workloads (target paths) holding volumes on this node, from its lock files.", []string{"node"}, nil),
+			"Workloads (target paths) holding volumes on this node, from its lock files.", []string{"node", "zone"}, nil),
 		staged: prometheus.NewDesc(name("node_staged_volumes"),
-			"Volumes staged on this node, from its lock files.", []string{"node"}, nil),
+			"Volumes staged on this node, from its lock files.", []string{"node", "zone"}, nil),
 		fencedAttachments: prometheus.NewDesc(name("fenced_attachments"),
 			"Attachments whose node a network fence cuts off the storage: still attached for the CO, served nothing.", []string{"backend"}, nil),
 		fences: prometheus.NewDesc(name("network_fences"),
@@ -284,7 +296,7 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 		c.collectBackend(ctx, ch, b, s.Controllers[b])
 	}
 	if s.Holders != nil {
-		c.collectHolders(ch, s.NodeID, s.Holders)
+		c.collectHolders(ch, s.Node, s.Zone, s.Holders)
 	}
 	if s.FencedBlocks != nil {
 		ch <- prometheus.MustNewConstMetric(c.fences, prometheus.GaugeValue, float64(s.FencedBlocks()))
@@ -336,7 +348,7 @@ func (c *stateCollector) collectBackend(ctx context.Context, ch chan<- prometheu
 	}
 }
 
-func (c *stateCollector) collectHolders(ch chan<- prometheus.Metric, node string, store HolderLister) {
+func (c *stateCollector) collectHolders(ch chan<- prometheus.Metric, node, zone string, store HolderLister) {
 	records, err := store.All()
 	if err != nil {
 		klog.ErrorS(err, "Metrics: reading lock files")
@@ -350,6 +362,6 @@ func (c *stateCollector) collectHolders(ch chan<- prometheus.Metric, node string
 			staged++
 		}
 	}
-	ch <- prometheus.MustNewConstMetric(c.holders, prometheus.GaugeValue, float64(holders), node)
-	ch <- prometheus.MustNewConstMetric(c.staged, prometheus.GaugeValue, float64(staged), node)
+	ch <- prometheus.MustNewConstMetric(c.holders, prometheus.GaugeValue, float64(holders), node, zone)
+	ch <- prometheus.MustNewConstMetric(c.staged, prometheus.GaugeValue, float64(staged), node, zone)
 }

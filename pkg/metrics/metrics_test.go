@@ -46,7 +46,7 @@ func attached(modes ...accessmode.Mode) *backend.Volume {
 func available(modes ...accessmode.Mode) *backend.Volume { return &backend.Volume{Modes: modes} }
 
 func TestInterceptorCountsByShortMethodAndCode(t *testing.T) {
-	m := New()
+	m := New("test", []string{"controller"})
 	icpt := m.UnaryServerInterceptor()
 	call := func(method string, err error) {
 		_, got := icpt(context.Background(), nil, &grpc.UnaryServerInfo{FullMethod: method},
@@ -86,10 +86,10 @@ func TestNilMetricsCountNothing(t *testing.T) {
 }
 
 func TestPublishRefusedSeriesExistBeforeTheFirstRefusal(t *testing.T) {
-	m := New()
+	m := New("test", []string{"controller"})
 	m.SetSources(Sources{
 		Controllers: map[accessmode.Backend]backend.Controller{accessmode.BackendBlock: &fakeController{name: accessmode.BackendBlock}},
-		NodeID:      "n@z", Holders: fakeHolders{},
+		Node:        "n", Zone: "z", Holders: fakeHolders{},
 	})
 	attach := m.refused.WithLabelValues(StageAttach, "SINGLE_NODE_SINGLE_WRITER", accessmode.ReasonHeldByOtherNode)
 	if got := testutil.ToFloat64(attach); got != 0 {
@@ -110,7 +110,7 @@ func TestPublishRefusedSeriesExistBeforeTheFirstRefusal(t *testing.T) {
 }
 
 func TestStateIsReadAtScrapeTime(t *testing.T) {
-	m := New()
+	m := New("test", []string{"controller"})
 	block := &fakeController{
 		name: accessmode.BackendBlock,
 		vols: []*backend.Volume{
@@ -129,7 +129,7 @@ func TestStateIsReadAtScrapeTime(t *testing.T) {
 	}
 	m.SetSources(Sources{
 		Controllers: map[accessmode.Backend]backend.Controller{accessmode.BackendBlock: block, accessmode.BackendNFS: nfsCtrl},
-		NodeID:      "node-1@zone-a",
+		Node:        "node-1", Zone: "zone-a",
 		Holders: fakeHolders{
 			{Staged: &backend.Staged{}, Holders: []accessmode.Holder{{TargetPath: "/a"}, {TargetPath: "/b"}}},
 			{Staged: &backend.Staged{}},
@@ -139,10 +139,10 @@ func TestStateIsReadAtScrapeTime(t *testing.T) {
 	expected := `
 # HELP modeguard_node_staged_volumes Volumes staged on this node, from its lock files.
 # TYPE modeguard_node_staged_volumes gauge
-modeguard_node_staged_volumes{node="node-1@zone-a"} 2
+modeguard_node_staged_volumes{node="node-1",zone="zone-a"} 2
 # HELP modeguard_node_volume_holders Workloads (target paths) holding volumes on this node, from its lock files.
 # TYPE modeguard_node_volume_holders gauge
-modeguard_node_volume_holders{node="node-1@zone-a"} 2
+modeguard_node_volume_holders{node="node-1",zone="zone-a"} 2
 # HELP modeguard_nfs_exports nfs-ganesha exports the controller serves: one per NFS volume.
 # TYPE modeguard_nfs_exports gauge
 modeguard_nfs_exports 3
@@ -214,7 +214,7 @@ modeguard_nfs_exports 3
 // A backend that cannot be read fails its own metrics, and the scrape still
 // serves the rest.
 func TestUnreadableBackendDoesNotHideTheRest(t *testing.T) {
-	m := New()
+	m := New("test", []string{"controller"})
 	m.SetSources(Sources{Controllers: map[accessmode.Backend]backend.Controller{
 		accessmode.BackendBlock: &fakeController{name: accessmode.BackendBlock, listErr: errors.New("pool gone"),
 			pools: []backend.PoolStats{{Zone: "zone-a", SizeBytes: 100, FreeBytes: 50}}},
@@ -245,7 +245,7 @@ func TestUnreadableBackendDoesNotHideTheRest(t *testing.T) {
 }
 
 func TestServerStartsAndShutsDown(t *testing.T) {
-	m := New()
+	m := New("test", []string{"controller"})
 	s, err := m.Start("127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

@@ -83,7 +83,7 @@ func (f *flakyGanesha) Exports(context.Context) ([]ganesha.ExportInfo, error) {
 // failure.
 func TestControlErrorsAreCounted(t *testing.T) {
 	ctx := context.Background()
-	m := metrics.New()
+	m := metrics.New("test", []string{"controller", "node"})
 	exportDir := t.TempDir()
 	storage := dirStorage{t.TempDir()}
 	ctrl, err := nfs.NewController(ctx, nfs.Config{
