@@ -91,8 +91,9 @@ func TestStateFilesArePrivate(t *testing.T) {
 		}
 	}
 	// Three volumes and a snapshot, each an image and its metadata; two
-	// lock files (the clone is neither staged nor published).
-	if files[".img"] != 4 || files[".json"] != 6 {
-		t.Errorf("walked %d images and %d JSON files, want 4 and 6: the walk missed what the driver wrote", files[".img"], files[".json"])
+	// lock files (the clone is neither staged nor published); the pool's
+	// marker.
+	if files[".img"] != 4 || files[".json"] != 7 {
+		t.Errorf("walked %d images and %d JSON files, want 4 and 7: the walk missed what the driver wrote", files[".img"], files[".json"])
 	}
 }

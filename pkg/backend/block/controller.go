@@ -90,6 +90,9 @@ func NewController(pools map[string]string) (*Controller, error) {
 }
 
 func (c *Controller) load(p *pool) error {
+	if err := p.mark(); err != nil {
+		return fmt.Errorf("block pool %q: %w", p.zone, err)
+	}
 	for _, kind := range []volumeid.Kind{volumeid.Volume, volumeid.Snapshot} {
 		dir := p.kindDir(kind)
 		if err := os.MkdirAll(dir, 0o700); err != nil {

@@ -40,11 +40,19 @@ type Node struct {
 	iscsi *ISCSI
 }
 
-// NewNode opens the same pools as the controller, read-only.
+// NewNode opens the same pools as the controller, read-only. A pool that
+// does not look like the controller's (checkShared) is logged at once; the
+// node starts anyway (its controller may be starting too), and says the
+// same in every refusal of a volume it cannot find there.
 func NewNode(pools map[string]string) (*Node, error) {
 	parsed, zones, err := parsePools(pools)
 	if err != nil {
 		return nil, err
+	}
+	for _, z := range zones {
+		if err := parsed[z].checkShared(); err != nil {
+			klog.ErrorS(err, "Block volumes of this zone cannot be staged on this node", "zone", z)
+		}
 	}
 	return newNode(parsed, zones), nil
 }
@@ -88,6 +96,9 @@ func (n *Node) readVolume(p *pool, id volumeid.ID) (*backend.Volume, error) {
 	var v backend.Volume
 	if err := fsutil.ReadJSON(metaPath, &v); err != nil {
 		if errors.Is(err, os.ErrNotExist) {
+			if serr := p.checkShared(); serr != nil {
+				return nil, status.Errorf(codes.FailedPrecondition, "volume %s is not in this node's pool: %v", id, serr)
+			}
 			return nil, status.Errorf(codes.NotFound, "volume %s does not exist", id)
 		}
 		return nil, status.Errorf(codes.Internal, "reading metadata of %s: %v", id, err)

@@ -123,6 +123,47 @@ func TestStageRefusesWhatDoesNotMatchTheVolume(t *testing.T) {
 	assertNothingStagedUnder(t, f.root)
 }
 
+// A node whose pool directory is not the controller's (a hostPath on
+// another machine) must say so, not report the volume as never created:
+// the one is an install mistake, the other a CO's stale record.
+func TestStageOnANodeThatDoesNotShareThePoolSaysSo(t *testing.T) {
+	f := newFixture(t, "zone-a", "zone-b")
+	spec := mountSpec(t, "zone-a", "elsewhere", "ext4", 64*mib)
+	f.create(t, spec)
+	f.attach(t, spec.ID, writer("n1"))
+
+	ownDir := filepath.Join(f.root, "node-local-pool")
+	if err := os.MkdirAll(ownDir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name string
+		dir  string
+		says []string
+	}{
+		{"a directory no controller used", ownDir, []string{"not the pool the controller uses", ownDir, markerName, "iscsi.enabled"}},
+		{"another zone's pool", f.pools["zone-b"], []string{`is the pool of zone "zone-b"`}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			node, err := NewNode(map[string]string{"zone-a": tt.dir})
+			if err != nil {
+				t.Fatalf("NewNode: %v", err)
+			}
+			_, err = node.Stage(context.Background(), f.mountReq(spec.ID, "n1", "elsewhere", false))
+			wantCode(t, err, codes.FailedPrecondition)
+			for _, part := range tt.says {
+				if !strings.Contains(err.Error(), part) {
+					t.Errorf("message %q lacks %q", err, part)
+				}
+			}
+		})
+	}
+	// The node on the controller's own pool stages it.
+	f.unstage(t, f.stage(t, f.mountReq(spec.ID, "n1", "elsewhere", false)))
+	assertNothingStagedUnder(t, f.root)
+}
+
 func TestStageHonoursAReadOnlyAttachment(t *testing.T) {
 	f := newFixture(t, "zone-a")
 	spec := mountSpec(t, "zone-a", "ro-att", "ext4", 64*mib)

@@ -1,6 +1,7 @@
 package block
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -132,4 +133,49 @@ func poolFor(pools map[string]*pool, zones []string, id volumeid.ID, kind volume
 		return nil, status.Errorf(codes.InvalidArgument, "zone %q has no block pool here (configured zones: %s)", id.Zone, strings.Join(zones, ", "))
 	}
 	return p, nil
+}
+
+// markerName is the file a controller puts in every pool it uses, saying
+// which zone's pool the directory is. A node finds it in its own pool
+// directory only when that directory is the one the controller uses: a
+// per-node directory (a hostPath on separate machines) lacks it, and the
+// node can then say so instead of reporting a volume that does not exist.
+const markerName = ".modeguard-pool.json"
+
+// poolMarker is what markerName holds.
+type poolMarker struct {
+	Zone string `json:"zone"`
+	// Note says what the file is, to whoever finds it.
+	Note string `json:"note"`
+}
+
+// mark writes the pool's marker unless it is there (a controller's part).
+func (p *pool) mark() error {
+	path := filepath.Join(p.dir, markerName)
+	if _, err := os.Stat(path); err == nil {
+		return nil
+	}
+	return fsutil.WriteJSONAtomic(path, poolMarker{Zone: p.zone,
+		Note: "the block pool of this zone, as a modeguard controller uses it; every node of the zone must see this same directory"})
+}
+
+// checkShared says what is wrong when this directory is not the pool a
+// controller uses for the zone: it has no marker (no controller ever used
+// it, so the node's directory is not the shared one), or another zone's.
+// nil when it looks like the zone's shared pool.
+func (p *pool) checkShared() error {
+	var m poolMarker
+	err := fsutil.ReadJSON(filepath.Join(p.dir, markerName), &m)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return fmt.Errorf("this node's block pool of zone %s, %s, is not the pool the controller uses: no controller has ever used that directory (it has no %s). "+
+			"Every node of a zone must see the very directory the controller uses for the zone (a filesystem they share), "+
+			"or, on separate machines, reach the volumes from the zone's storage target over iSCSI (the chart's iscsi.enabled)",
+			p.zone, p.dir, markerName)
+	case err != nil:
+		return fmt.Errorf("reading the marker of the block pool of zone %s: %w", p.zone, err)
+	case m.Zone != p.zone:
+		return fmt.Errorf("this node's block pool of zone %s, %s, is the pool of zone %q: give each zone's pool to its own --block-pool", p.zone, p.dir, m.Zone)
+	}
+	return nil
 }
