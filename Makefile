@@ -28,9 +28,10 @@ image:
 	fi
 
 # Kubernetes v1.34 built from source on this machine (three nodes, two
-# zones), with the driver deployed from deploy/kubernetes (overlays/local)
-# and a claim proving it: see hack/local-cluster/README.md. Cold: Kubernetes
-# ~10 min, images ~15 min; cached: about a minute.
+# zones), with the driver installed by the Helm chart
+# (hack/local-cluster/helm-values.yaml) and a claim proving it: see
+# hack/local-cluster/README.md. Cold: Kubernetes ~10 min, images ~15 min;
+# cached: about a minute.
 KUSTOMIZE_VERSION := v5.7.1
 KUSTOMIZE := $(CURDIR)/_build/tools/kustomize
 export KUSTOMIZE
@@ -64,7 +65,7 @@ helm-lint: $(HELM)
 	$(HELM) lint --strict deploy/helm/modeguard --values hack/local-cluster/helm-values.yaml
 	$(HELM) template modeguard deploy/helm/modeguard --namespace modeguard >/dev/null
 
-cluster-up: build $(KUSTOMIZE)
+cluster-up: build $(HELM)
 	bash hack/local-cluster/build.sh
 	bash hack/images/base.sh
 	bash hack/images/modeguard.sh
@@ -80,13 +81,12 @@ cluster-down:
 
 # The stories of deploy/examples end to end on that cluster (test/e2e), then
 # CONFORMANCE_SUITES of Kubernetes' storage suites; the cluster goes down
-# afterwards whatever the result. The cluster comes up with the kustomize
-# overlay (make cluster-up, its smoke claim written), which is then replaced
-# by the Helm chart: the tests run against the chart's installation, and
-# helm uninstall must leave nothing of it.
+# afterwards whatever the result. The tests run against the chart's
+# installation (make cluster-up), and helm uninstall must leave nothing of
+# it.
 test-e2e: $(HELM)
 	@rc=0; \
-	if $(MAKE) cluster-up && DEPLOY_WITH=helm bash hack/local-cluster/deploy.sh; then \
+	if $(MAKE) cluster-up; then \
 		MODEGUARD_E2E_KUBECONFIG=$(CURDIR)/_build/cluster/admin.kubeconfig \
 			$(GO) test $(GOTEST_FLAGS) -timeout 30m -v ./test/e2e/ || rc=$$?; \
 		KUBECONFIG=$(CURDIR)/_build/cluster/admin.kubeconfig SUITES='$(CONFORMANCE_SUITES)' \
@@ -108,7 +108,7 @@ test-e2e: $(HELM)
 CONFORMANCE_GATE := provisioning|read-write-once-pod
 CONFORMANCE_ALL := provisioning|volume-modify|volumes|volumeIO|volumeMode|subPath|multiVolume|read-write-once-pod|topology|snapshottable|volume-expand|fsgroupchangepolicy|ephemeral|volumeLimits|capacity|snapshottable-stress|volume-stress
 CONFORMANCE_SUITES ?= $(CONFORMANCE_GATE)
-conformance: build $(KUSTOMIZE)
+conformance: build $(HELM)
 	@rc=0; \
 	DRIVER=block bash hack/conformance/run.sh || rc=1; \
 	DRIVER=nfs bash hack/conformance/run.sh || rc=1; \

@@ -14,14 +14,14 @@
 # per zone instead.
 #
 # Environment: CLUSTER (modeguard), POOL_ROOT (<repo>/_build/kind/pools),
-# SNAPSHOTTER_VERSION (v8.6.0: the snapshot CRDs and snapshot-controller),
+# SNAPSHOTTER_VERSION (v8.7.0: the snapshot CRDs and snapshot-controller),
 # IMAGE (modeguard:dev), TIMEOUT_SECONDS (300).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CLUSTER=${CLUSTER:-modeguard}
 POOL_ROOT=${POOL_ROOT:-$REPO/_build/kind/pools}
-SNAPSHOTTER_VERSION=${SNAPSHOTTER_VERSION:-v8.6.0}
+SNAPSHOTTER_VERSION=${SNAPSHOTTER_VERSION:-v8.7.0}
 IMAGE=${IMAGE:-modeguard:dev}
 TIMEOUT_SECONDS=${TIMEOUT_SECONDS:-300}
 TIMEOUT=${TIMEOUT_SECONDS}s
@@ -95,7 +95,7 @@ k apply -k "$REPO/deploy/kubernetes/overlays/kind"
 log "waiting for rollouts"
 k -n kube-system rollout status deployment/snapshot-controller --timeout="$TIMEOUT"
 k -n modeguard rollout status deployment/modeguard-controller --timeout="$TIMEOUT"
-k -n modeguard rollout status daemonset/modeguard-node --timeout="$TIMEOUT"
+k -n modeguard rollout status daemonset/modeguard-node-zone-a --timeout="$TIMEOUT"
 k -n modeguard rollout status daemonset/modeguard-node-zone-b --timeout="$TIMEOUT"
 k get csinodes -o custom-columns='NODE:.metadata.name,DRIVERS:.spec.drivers[*].name,NODEID:.spec.drivers[*].nodeID'
 

@@ -17,7 +17,7 @@
 # from the client module to _build/images/sidecars/crds.
 #
 # Usage: hack/images/sidecars.sh [binaries|images|all]   (default all)
-# Versions can be overridden: PROVISIONER_VERSION=v6.3.0 ATTACHER_VERSION=...
+# Versions can be overridden: PROVISIONER_VERSION=v6.4.0 ATTACHER_VERSION=...
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -29,10 +29,12 @@ export PATH=/usr/local/go/bin:$PATH
 
 # Built version (from the proxy) per sidecar. The image tag is read from the
 # manifest; where the two differ the script says so.
-PROVISIONER_VERSION=${PROVISIONER_VERSION:-v6.3.0}
-ATTACHER_VERSION=${ATTACHER_VERSION:-v4.12.0}   # v4.13.0 also builds
-RESIZER_VERSION=${RESIZER_VERSION:-v2.3.0}      # manifest's v2.2.1 is not on the proxy (403)
-SNAPSHOTTER_VERSION=${SNAPSHOTTER_VERSION:-v8.6.0}
+# The newest each module's version list on the proxy names (all four
+# build against client-go v0.37, which they then share in Go's build cache).
+PROVISIONER_VERSION=${PROVISIONER_VERSION:-v6.4.0}
+ATTACHER_VERSION=${ATTACHER_VERSION:-v4.13.0}
+RESIZER_VERSION=${RESIZER_VERSION:-v2.3.0}
+SNAPSHOTTER_VERSION=${SNAPSHOTTER_VERSION:-v8.7.0}
 
 # name module major-path version
 SIDECARS=(

@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# Deploys modeguard onto the cluster of up.sh (deploy/kubernetes/overlays/local) and proves a
-# block volume works: imports _build/images/*.tar into every node's containerd, applies the
-# overlay, waits (bounded) for the controller and the node pods and for the driver in every
-# node's CSINode, then a PVC of modeguard-block + a pod using it, writes a file in it, prints
-# the result.
+# Deploys modeguard onto the cluster of up.sh and proves a block volume works: imports
+# _build/images/*.tar into every node's containerd, installs deploy/helm/modeguard with
+# hack/local-cluster/helm-values.yaml (the chart's defaults but for what this one-host
+# cluster needs, each value saying why), waits (bounded) for the controller and the node
+# pods and for the driver in every node's CSINode, then a PVC of modeguard-block + a pod
+# using it, writes a file in it, prints the result and the chart's NOTES.
 # Needs: root, up.sh running, the archives of hack/images. CLEAN=1: delete the test pod+PVC
-# at the end (so the volume is unpublished and its loop device detached). DEPLOY_WITH=helm:
-# install deploy/helm/modeguard with hack/local-cluster/helm-values.yaml instead of the
-# overlay, replacing a kustomize deployment (its volumes deleted first); make test-e2e does.
+# at the end (so the volume is unpublished and its loop device detached).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -19,11 +18,7 @@ NS=modeguard
 TESTNS=default
 export KUBECONFIG="$C/admin.kubeconfig"
 export PATH="$BUILD/k8s/bin:$BUILD/debs/bin:$PATH"
-KUSTOMIZE="${KUSTOMIZE:-$(command -v kustomize || echo "$BUILD/tools/kustomize")}"
 HELM="${HELM:-$BUILD/tools/helm}"
-# kustomize (deploy/kubernetes/overlays/local) or helm (deploy/helm/modeguard
-# with hack/local-cluster/helm-values.yaml).
-DEPLOY_WITH="${DEPLOY_WITH:-kustomize}"
 
 log() { printf '[deploy %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 die() { printf '[deploy %s] ERROR: %s\n' "$(date +%H:%M:%S)" "$*" >&2; exit 1; }
@@ -41,12 +36,7 @@ trap 'rc=$?; if (( rc != 0 )); then diag; fi' EXIT
 [[ $EUID -eq 0 ]] || die "must run as root"
 mapfile -t NODES < <(kubectl get nodes -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}' 2>/dev/null)
 ((${#NODES[@]})) || die "no cluster: run hack/local-cluster/up.sh first"
-[[ -x "$KUSTOMIZE" ]] || die "kustomize not found (set KUSTOMIZE)"
-case "$DEPLOY_WITH" in
-  kustomize) ;;
-  helm) [[ -x "$HELM" ]] || die "helm not found (make $HELM, or set HELM)" ;;
-  *) die "DEPLOY_WITH=$DEPLOY_WITH: kustomize or helm" ;;
-esac
+[[ -x "$HELM" ]] || die "helm not found (make $HELM, or set HELM)"
 
 log "importing images into the containerd of ${NODES[*]}"
 for n in "${NODES[@]}"; do
@@ -74,32 +64,18 @@ for zone in zone-a zone-b; do
   mount -t xfs -o loop "$img" "$pool" || die "mounting the pool of $zone ($img)"
 done
 
-# The overlay's and the values' host paths assume the repository at /work/main.
-if [[ "$DEPLOY_WITH" == helm ]]; then
-  if kubectl get namespace "$NS" >/dev/null 2>&1 && ! "$HELM" -n "$NS" status modeguard >/dev/null 2>&1; then
-    # Deployed with kustomize before (make cluster-up): its volumes go first,
-    # through the driver, then its objects, so the chart starts from nothing.
-    log "replacing the kustomize deployment: its volumes, then its objects"
-    bash "$HERE/undeploy.sh"
-    "$KUSTOMIZE" build "$REPO/deploy/kubernetes/overlays/local" | sed "s#/work/main/_build#$BUILD#g" \
-      | kubectl delete --wait=true --timeout="${WAIT}s" -f - >/dev/null
-  fi
-  log "installing deploy/helm/modeguard (values: hack/local-cluster/helm-values.yaml)"
-  kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
-  kubectl label --overwrite namespace "$NS" pod-security.kubernetes.io/enforce=privileged \
-    pod-security.kubernetes.io/warn=privileged pod-security.kubernetes.io/audit=privileged >/dev/null
-  sed "s#/work/main/_build#$BUILD#g" "$HERE/helm-values.yaml" >"$BUILD/helm-values.yaml"
-  "$HELM" upgrade --install modeguard "$REPO/deploy/helm/modeguard" --namespace "$NS" \
-    --values "$BUILD/helm-values.yaml" >/dev/null
-else
-  log "applying deploy/kubernetes/overlays/local"
-  "$KUSTOMIZE" build "$REPO/deploy/kubernetes/overlays/local" | sed "s#/work/main/_build#$BUILD#g" \
-    | kubectl apply -f - >/dev/null
-fi
+# The values' host paths assume the repository at /work/main.
+log "installing deploy/helm/modeguard (values: hack/local-cluster/helm-values.yaml)"
+kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+kubectl label --overwrite namespace "$NS" pod-security.kubernetes.io/enforce=privileged \
+  pod-security.kubernetes.io/warn=privileged pod-security.kubernetes.io/audit=privileged >/dev/null
+sed "s#/work/main/_build#$BUILD#g" "$HERE/helm-values.yaml" >"$BUILD/helm-values.yaml"
+"$HELM" upgrade --install modeguard "$REPO/deploy/helm/modeguard" --namespace "$NS" \
+  --values "$BUILD/helm-values.yaml" >"$BUILD/helm-install.out"
 
 log "waiting for the controller and node pods (<= ${WAIT}s)"
 kubectl -n "$NS" rollout status deployment/modeguard-controller --timeout="${WAIT}s"
-kubectl -n "$NS" rollout status daemonset/modeguard-node --timeout="${WAIT}s"
+kubectl -n "$NS" rollout status daemonset/modeguard-node-zone-a --timeout="${WAIT}s"
 kubectl -n "$NS" rollout status daemonset/modeguard-node-zone-b --timeout="${WAIT}s"
 kubectl -n "$NS" wait --for=condition=Ready pod -l app.kubernetes.io/name=modeguard --timeout="${WAIT}s"
 deadline=$(( $(date +%s) + WAIT ))
@@ -150,6 +126,8 @@ kubectl -n "$TESTNS" exec mg-local-test -- sh -c 'echo "hello from $(hostname) $
 kubectl get pv,pvc,pod -A -o wide
 kubectl get csinode -o custom-columns='NODE:.metadata.name,DRIVER:.spec.drivers[*].name,NODEID:.spec.drivers[*].nodeID,TOPOLOGY:.spec.drivers[*].topologyKeys'
 
+
+sed -n '/^NOTES:/,$p' "$BUILD/helm-install.out"
 
 if [[ "${CLEAN:-0}" == 1 ]]; then
   log "deleting the test pod and claim (and waiting for the PV: DeleteVolume removes the image)"

@@ -72,9 +72,9 @@ if [[ -n "$leaks" ]]; then
   exit 1
 fi
 
-# Installed with Helm (DEPLOY_WITH=helm deploy.sh): uninstall the release and check that it
-# took every object it made, cluster-wide and in the namespace (whose Pod Security labels
-# deploy.sh set, so it goes too). A kustomize deployment stays: the cluster goes down next.
+# Installed with Helm (deploy.sh): uninstall the release and check that it took every object
+# it made, cluster-wide and in the namespace (whose Pod Security labels deploy.sh set, so it
+# goes too).
 HELM="${HELM:-$BUILD/tools/helm}"
 NS=modeguard
 if [[ -x "$HELM" ]] && "$HELM" -n "$NS" status modeguard >/dev/null 2>&1; then

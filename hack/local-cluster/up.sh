@@ -156,7 +156,7 @@ if [[ -x "$SNAP/bin/snapshot-controller" ]] && compgen -G "$SNAP/crds/*.yaml" >/
     crd/volumegroupsnapshotclasses.groupsnapshot.storage.k8s.io >/dev/null
   # Volume group snapshots are beta in the snapshotter, off unless asked for.
   start snapshot-controller "$SNAP/bin/snapshot-controller" --kubeconfig="$C/admin.kubeconfig" \
-    --leader-election=false --feature-gates=CSIVolumeGroupSnapshot=true --v=1
+    --leader-election=false --v=1
 else
   log "no snapshot-controller in $SNAP (hack/images/sidecars.sh binaries builds it): no VolumeSnapshots"
 fi

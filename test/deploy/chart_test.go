@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"runtime"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -178,13 +179,23 @@ func helmTemplate(t *testing.T, args ...string) map[string]map[string]any {
 	return objs
 }
 
-// TestChartRendersTheKustomizeBase: with its default values (and the
-// namespace made by the chart, as the base makes it), the chart renders
-// exactly the objects of deploy/kubernetes/base.
+// asTheBase are the values and API versions under which the chart renders
+// what the kustomize base says: the namespace made by the chart, as the
+// base makes it; the image the base names (modeguard:dev, not the chart's
+// appVersion); a cluster that serves the snapshot CRDs, where the chart
+// makes its snapshot classes as the base always does. Rendered without a
+// cluster, the chart cannot pin the controller to a node (the base leaves
+// that to an overlay too).
+var asTheBase = []string{"--set", "createNamespace=true", "--set", "image.tag=dev",
+	"--api-versions", "snapshot.storage.k8s.io/v1/VolumeSnapshotClass",
+	"--api-versions", "groupsnapshot.storage.k8s.io/v1/VolumeGroupSnapshotClass"}
+
+// TestChartRendersTheKustomizeBase: with its default values (asTheBase),
+// the chart renders exactly the objects of deploy/kubernetes/base.
 func TestChartRendersTheKustomizeBase(t *testing.T) {
 	kustomize := tool(t, "KUSTOMIZE", "kustomize")
 	base := objects(t, run(t, kustomize, "build", filepath.Join(repo(t), "deploy", "kubernetes", "base")))
-	compare(t, helmTemplate(t, "--set", "createNamespace=true"), base)
+	compare(t, helmTemplate(t, asTheBase...), base)
 }
 
 // TestChartISCSIIsTheISCSIOverlay: the chart with iscsi.enabled renders
@@ -204,7 +215,8 @@ func TestChartISCSIIsTheISCSIOverlay(t *testing.T) {
 	if strings.Contains(args, "--block-pool") || !strings.Contains(args, "--block-target=zone-a=modeguard-target-zone-a.modeguard.svc:9443") {
 		t.Fatalf("the controller of overlays/iscsi does not reach the target instead of the pool: %s", args)
 	}
-	compare(t, helmTemplate(t, "--set", "createNamespace=true", "--set", "iscsi.enabled=true"), overlay)
+	compare(t, helmTemplate(t, append(slices.Clone(asTheBase), "--set", "iscsi.enabled=true",
+		"--set", "iscsi.tls.source=external", "--set", "iscsi.chap.source=external")...), overlay)
 }
 
 // TestChartCSIAddonsIsTheCSIAddonsOverlay: the chart with csiAddons.enabled
@@ -226,7 +238,7 @@ func TestChartCSIAddonsIsTheCSIAddonsOverlay(t *testing.T) {
 		}
 	}
 	checkFenceWiring(t, overlay["Deployment/modeguard/modeguard-controller"])
-	compare(t, helmTemplate(t, "--set", "createNamespace=true", "--set", "csiAddons.enabled=true"), overlay)
+	compare(t, helmTemplate(t, append(slices.Clone(asTheBase), "--set", "csiAddons.enabled=true")...), overlay)
 
 	t.Run("with iscsi", func(t *testing.T) {
 		// Both components on the base, as an overlay of an operator's own
@@ -253,7 +265,8 @@ components:
 			t.Fatalf("the controller of base+iscsi+csi-addons lacks --block-target or --fence-file: %s", args)
 		}
 		checkFenceWiring(t, both["Deployment/modeguard/modeguard-controller"])
-		compare(t, helmTemplate(t, "--set", "createNamespace=true", "--set", "iscsi.enabled=true", "--set", "csiAddons.enabled=true"), both)
+		compare(t, helmTemplate(t, append(slices.Clone(asTheBase), "--set", "iscsi.enabled=true", "--set", "csiAddons.enabled=true",
+			"--set", "iscsi.tls.source=external", "--set", "iscsi.chap.source=external")...), both)
 	})
 }
 
@@ -313,7 +326,7 @@ func checkFenceWiring(t *testing.T, deployment map[string]any) {
 	if driver == nil || sidecar == nil {
 		t.Fatalf("the controller pod has no modeguard or no csi-addons container: %v", sortedKeys(containers))
 	}
-	if image := sidecar["image"]; image != "quay.io/csiaddons/k8s-sidecar:v0.12.0" {
+	if image := sidecar["image"]; image != "quay.io/csiaddons/k8s-sidecar:v0.14.0" {
 		t.Errorf("the csi-addons sidecar runs %v", image)
 	}
 	endpoint := flag(driver, "--endpoint")
@@ -375,7 +388,7 @@ func sortedKeys(m map[string]map[string]any) []string {
 func TestChartZonesAreTheZoneGroups(t *testing.T) {
 	kustomize := tool(t, "KUSTOMIZE", "kustomize")
 	zoneB := objects(t, run(t, kustomize, "build", filepath.Join(repo(t), "deploy", "kubernetes", "zones", "zone-b")))
-	chart := helmTemplate(t, "--set", "zones[0].name=zone-a", "--set", "zones[1].name=zone-b")
+	chart := helmTemplate(t, "--set", "image.tag=dev", "--set", "zones[0].name=zone-a", "--set", "zones[1].name=zone-b")
 	const key = "DaemonSet/modeguard/modeguard-node-zone-b"
 	if _, ok := zoneB[key]; !ok || len(zoneB) != 1 {
 		t.Fatalf("zones/zone-b renders %d objects, want %s alone", len(zoneB), key)
@@ -410,6 +423,12 @@ func TestChartRefusesBadValues(t *testing.T) {
 		{"a relative fence directory", "csiAddons.fenceDir=fences", "fenceDir"},
 		{"a csi-addons port out of range", "csiAddons.port=0", "port"},
 		{"a fence Secret name that is not a name", "csiAddons.secretName=Fence_Secret", "secretName"},
+		{"a log format klog does not have", "logFormat=xml", "logFormat"},
+		{"an unknown source of the iSCSI certificates", "iscsi.tls.source=vault", "source"},
+		{"an unknown source of the CHAP secrets", "iscsi.chap.source=vault", "source"},
+		{"a snapshot class neither auto nor a boolean", "volumeSnapshotClass.create=maybe", "create"},
+		{"an NFS node that is not a node name", "nfs.node=Node_1", "node"},
+		{"a mount option that is empty", "storageClasses.block.mountOptions[0]=", "mountOptions"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cmd := exec.Command(helm, "template", "modeguard", chart, "--namespace", "modeguard", "--set", tc.set)
