@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/pkg/controllerlock"
 	"github.com/modeguard/modeguard/pkg/driver"
 	"github.com/modeguard/modeguard/pkg/localcluster"
@@ -1058,8 +1059,10 @@ func filesUnder(dir string) []string {
 	_ = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
 		// The controller lock stays with the pool, as its directories do:
 		// removing a lock file that another process may have open would
-		// let two processes hold "the" lock on two different files.
-		if err == nil && !d.IsDir() && !(d.Name() == controllerlock.FileName && filepath.Dir(p) == dir) {
+		// let two processes hold "the" lock on two different files. So
+		// does the pool's marker, which says whose pool it is.
+		kept := (d != nil && (d.Name() == controllerlock.FileName || d.Name() == block.PoolMarkerFile)) && filepath.Dir(p) == dir
+		if err == nil && !d.IsDir() && !kept {
 			rel, _ := filepath.Rel(dir, p)
 			files = append(files, rel)
 		}

@@ -141,7 +141,7 @@ func TestStageOnANodeThatDoesNotShareThePoolSaysSo(t *testing.T) {
 		dir  string
 		says []string
 	}{
-		{"a directory no controller used", ownDir, []string{"not the pool the controller uses", ownDir, markerName, "iscsi.enabled"}},
+		{"a directory no controller used", ownDir, []string{"not the pool the controller uses", ownDir, PoolMarkerFile, "iscsi.enabled"}},
 		{"another zone's pool", f.pools["zone-b"], []string{`is the pool of zone "zone-b"`}},
 	}
 	for _, tt := range tests {

@@ -135,14 +135,14 @@ func poolFor(pools map[string]*pool, zones []string, id volumeid.ID, kind volume
 	return p, nil
 }
 
-// markerName is the file a controller puts in every pool it uses, saying
+// PoolMarkerFile is the file a controller puts in every pool it uses, saying
 // which zone's pool the directory is. A node finds it in its own pool
 // directory only when that directory is the one the controller uses: a
 // per-node directory (a hostPath on separate machines) lacks it, and the
 // node can then say so instead of reporting a volume that does not exist.
-const markerName = ".modeguard-pool.json"
+const PoolMarkerFile = ".modeguard-pool.json"
 
-// poolMarker is what markerName holds.
+// poolMarker is what PoolMarkerFile holds.
 type poolMarker struct {
 	Zone string `json:"zone"`
 	// Note says what the file is, to whoever finds it.
@@ -151,7 +151,7 @@ type poolMarker struct {
 
 // mark writes the pool's marker unless it is there (a controller's part).
 func (p *pool) mark() error {
-	path := filepath.Join(p.dir, markerName)
+	path := filepath.Join(p.dir, PoolMarkerFile)
 	if _, err := os.Stat(path); err == nil {
 		return nil
 	}
@@ -165,13 +165,13 @@ func (p *pool) mark() error {
 // nil when it looks like the zone's shared pool.
 func (p *pool) checkShared() error {
 	var m poolMarker
-	err := fsutil.ReadJSON(filepath.Join(p.dir, markerName), &m)
+	err := fsutil.ReadJSON(filepath.Join(p.dir, PoolMarkerFile), &m)
 	switch {
 	case errors.Is(err, os.ErrNotExist):
 		return fmt.Errorf("this node's block pool of zone %s, %s, is not the pool the controller uses: no controller has ever used that directory (it has no %s). "+
 			"Every node of a zone must see the very directory the controller uses for the zone (a filesystem they share), "+
 			"or, on separate machines, reach the volumes from the zone's storage target over iSCSI (the chart's iscsi.enabled)",
-			p.zone, p.dir, markerName)
+			p.zone, p.dir, PoolMarkerFile)
 	case err != nil:
 		return fmt.Errorf("reading the marker of the block pool of zone %s: %w", p.zone, err)
 	case m.Zone != p.zone:
