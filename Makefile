@@ -96,6 +96,18 @@ test-e2e: $(HELM)
 	bash hack/local-cluster/down.sh || rc=$${rc/#0/1}; \
 	exit $$rc
 
+# modeguard on kind (v0.33.0, podman), every image built here: see
+# hack/kind-up.sh. make test-kind runs the block stories of test/e2e on it
+# and deletes it whatever the result (make test-all runs it).
+kind-up: $(HELM)
+	KIND_TEST=0 bash hack/kind-up.sh
+
+kind-down:
+	bash hack/kind-down.sh
+
+test-kind: $(HELM)
+	@rc=0; bash hack/kind-up.sh || rc=1; bash hack/kind-down.sh || rc=1; exit $$rc
+
 # Kubernetes' external storage e2e suites (e2e.test v1.34.4 from the module
 # proxy) against the driver on that cluster, with the driver files of
 # test/conformance; docs/conformance.md has the results and the reason for
@@ -133,15 +145,17 @@ demo: build ## a controller and three node plugins in two zones, walked through 
 # what each took (hack/phases.sh). Tests that need root, loop devices and
 # mounts skip themselves (and say so) when run unprivileged; CI runs them as
 # root.
-GATE_PHASES := static=test-static bg:e2e-build=test-e2e-build go=test-go bg:e2e-images=test-e2e-images \
-	fuzz=test-fuzz vm-quota=test-vm wait:e2e-build wait:e2e-images e2e=test-e2e leftovers=test-leftovers
+GATE_TESTS := static=test-static bg:e2e-build=test-e2e-build go=test-go bg:e2e-images=test-e2e-images \
+	fuzz=test-fuzz vm-quota=test-vm wait:e2e-build wait:e2e-images e2e=test-e2e
+GATE_PHASES := $(GATE_TESTS) leftovers=test-leftovers
 test: tools-dir
 	@bash hack/phases.sh "make test" $(GATE_PHASES)
 
 # MODEGUARD_TESTS=all: the VM tests the gate leaves out (testenv.OnlyInTestAll).
 test-all: tools-dir
 	@MODEGUARD_TESTS=all CONFORMANCE_SUITES='$(CONFORMANCE_ALL)' \
-		bash hack/phases.sh "make test-all" $(GATE_PHASES) vm-nfs-quota=test-vm-nfs-quota
+		bash hack/phases.sh "make test-all" $(GATE_TESTS) vm-nfs-quota=test-vm-nfs-quota \
+		kind=test-kind leftovers=test-leftovers
 
 test-static: fmt-check vet build $(KUSTOMIZE) helm-lint
 

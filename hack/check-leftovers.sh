@@ -14,5 +14,10 @@ netns=$(ip netns list 2>/dev/null | grep -E '^mg' || true)
 procs=$( (ps -eo pid=,stat=,comm= | awk '$2 !~ /Z/ && ($3 == "modeguard" || $3 == "modeguard.test" || $3 == "ganesha.nfsd" || $3 ~ /^qemu-system/)';
           ps -eo pid=,stat=,args= | awk '$2 !~ /Z/' | grep -E 'dbus-daemon --config-file=/(tmp|var/tmp)' | grep -v grep) || true)
 [ -n "$procs" ] && report "leftover processes" "$procs"
-[ "$status" = 0 ] && echo "no leftover loop devices, mounts, namespaces or processes"
+# The nodes of a kind cluster (hack/kind-up.sh) are podman containers.
+if command -v podman >/dev/null; then
+	kind_nodes=$(podman ps -a --filter label=io.x-k8s.kind.cluster --format '{{.Names}}' 2>/dev/null || true)
+	[ -n "$kind_nodes" ] && report "leftover kind nodes" "$kind_nodes"
+fi
+[ "$status" = 0 ] && echo "no leftover loop devices, mounts, namespaces, processes or kind nodes"
 exit "$status"

@@ -44,16 +44,28 @@ const (
 	// hack/local-cluster (there is no registry to pull from).
 	testImage = "localhost/modeguard/busybox:test"
 
-	// Two nodes share zone-a, one is in zone-b (hack/local-cluster/up.sh).
-	nodeA1 = "127.0.0.1"
-	nodeA2 = "127.0.0.2"
-	nodeB  = "127.0.0.3"
-
 	// Bounds for what the cluster does on its own; generous because the
 	// machine may be busy, and every wait ends as soon as its condition holds.
 	startTimeout   = 2 * time.Minute
 	refusalTimeout = 90 * time.Second
 )
+
+// The nodes: two share zone-a, one is in zone-b. hack/local-cluster/up.sh's
+// by default; MODEGUARD_E2E_NODES=<a1>,<a2>,<b> names another cluster's
+// (hack/kind-up.sh sets it).
+var nodeA1, nodeA2, nodeB = e2eNodes()
+
+func e2eNodes() (string, string, string) {
+	env := os.Getenv("MODEGUARD_E2E_NODES")
+	if env == "" {
+		return "127.0.0.1", "127.0.0.2", "127.0.0.3"
+	}
+	names := strings.Split(env, ",")
+	if len(names) != 3 {
+		panic(fmt.Sprintf("MODEGUARD_E2E_NODES=%q: want three node names, <zone-a>,<zone-a>,<zone-b>", env))
+	}
+	return names[0], names[1], names[2]
+}
 
 var (
 	volumeSnapshots      = schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshots"}
@@ -524,7 +536,11 @@ func (c *cluster) attachment(pv, node string) *storagev1.VolumeAttachment {
 
 // blockImage is where the block backend keeps a volume's image in its pool.
 func (c *cluster) blockImage(pv *corev1.PersistentVolume, zone string) string {
-	return filepath.Join(c.build, "modeguard-local", "pools", zone, "volumes",
+	pools := os.Getenv("MODEGUARD_E2E_POOLS") // hack/kind-up.sh's pools are elsewhere
+	if pools == "" {
+		pools = filepath.Join(c.build, "modeguard-local", "pools")
+	}
+	return filepath.Join(pools, zone, "volumes",
 		strings.ReplaceAll(pv.Spec.CSI.VolumeHandle, ":", "_")+".img")
 }
 
