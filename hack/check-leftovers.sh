@@ -18,6 +18,11 @@ procs=$( (ps -eo pid=,stat=,comm= | awk '$2 !~ /Z/ && ($3 == "modeguard" || $3 =
 if command -v podman >/dev/null; then
 	kind_nodes=$(podman ps -a --filter label=io.x-k8s.kind.cluster --format '{{.Names}}' 2>/dev/null || true)
 	[ -n "$kind_nodes" ] && report "leftover kind nodes" "$kind_nodes"
+	# With no container left, no container's root may stay mounted.
+	if [ -z "$(podman ps -aq 2>/dev/null)" ] && [ -z "$(buildah containers -q 2>/dev/null)" ]; then
+		roots=$(awk '$2 ~ "^/var/lib/containers/storage/overlay/.*/merged$" {print $2}' /proc/mounts)
+		[ -n "$roots" ] && report "leftover container root mounts" "$roots"
+	fi
 fi
 [ "$status" = 0 ] && echo "no leftover loop devices, mounts, namespaces, processes or kind nodes"
 exit "$status"
