@@ -603,3 +603,20 @@ func find[T interface {
 	t.Fatalf("no %T named %s in the example", zero, name)
 	return zero
 }
+
+// pinnedPod is a pod on node (spec.nodeName: past the scheduler) that
+// mounts claim at /data and sleeps.
+func pinnedPod(name, claim, node string) *corev1.Pod {
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec: corev1.PodSpec{
+			NodeName:                      node,
+			TerminationGracePeriodSeconds: ptr(int64(1)),
+			Containers: []corev1.Container{{Name: "app", Image: testImage, ImagePullPolicy: corev1.PullNever,
+				Command:      []string{"sh", "-c", "exec sleep 1000000"},
+				VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/data"}}}},
+			Volumes: []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{
+				PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: claim}}}},
+		},
+	}
+}

@@ -139,20 +139,7 @@ func TestNFSSurvivesItsControllerPodBeingReplaced(t *testing.T) {
 
 	// A pod on the NFS node attaches the volume: the export opens to that
 	// node's address, which is also this host's.
-	pod := func(name string) *corev1.Pod {
-		return &corev1.Pod{
-			ObjectMeta: metav1.ObjectMeta{Name: name},
-			Spec: corev1.PodSpec{
-				NodeName:                      nfsNode,
-				TerminationGracePeriodSeconds: ptr(int64(1)),
-				Containers: []corev1.Container{{Name: "app", Image: testImage, ImagePullPolicy: corev1.PullNever,
-					Command:      []string{"sh", "-c", "exec sleep 1000000"},
-					VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/data"}}}},
-				Volumes: []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{
-					PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: "nfs-moves"}}}},
-			},
-		}
-	}
+	pod := func(name string) *corev1.Pod { return pinnedPod(name, "nfs-moves", nfsNode) }
 	c.create(pod("moves-a"))
 	c.waitExportClients(pv, server+" RW")
 	want := fmt.Sprintf("written before the controller moved, %s\n", time.Now().UTC().Format(time.RFC3339Nano))
