@@ -1,7 +1,7 @@
 // Package accessmode holds the rules that decide who may hold a volume.
 //
 // Everything here is a pure function of its arguments: the controller asks
-// CheckAttach before it records that a node holds a volume, the node plugin
+// DecideAttach before it records that a node holds a volume, the node plugin
 // asks CheckPublish before it mounts a volume for one more workload, and both
 // ask Serves before they accept a capability a backend cannot honour. Keeping
 // the rules in one place means the spec's tables can be read off one file and
@@ -186,8 +186,8 @@ const (
 	// the volume was attached to this node (or staged on it) with.
 	ReasonBeyondNodeMode = "BeyondNodeMode"
 
-	// The driver's own refusals at attach, outside this package's rules
-	// but about who may hold a volume all the same.
+	// Refusals at attach (DecideAttach) beyond what the holders' modes
+	// allow, but about who may hold a volume all the same.
 
 	// ReasonOtherZone: the node is outside the volume's zone.
 	ReasonOtherZone = "OtherZone"

@@ -2,6 +2,8 @@ package accessmode
 
 import (
 	"fmt"
+	"net/netip"
+	"slices"
 	"strings"
 
 	"google.golang.org/grpc/codes"
@@ -162,4 +164,225 @@ func SoleWriterLeft(old, now []Attachment) bool {
 		}
 	}
 	return false
+}
+
+// AttachFacts is everything the attach decision depends on, gathered by
+// the controller under the volume's and the node's locks and the fence
+// gate: the volume's record, the CO's request, the node as its id
+// describes it, what the node holds, and the network fences.
+type AttachFacts struct {
+	// The volume, as recorded.
+	VolumeID string
+	Backend  Backend
+	// ServedOverISCSI says the volume's storage target serves it over
+	// iSCSI (the volume context names the transport), which lets in only
+	// nodes that report an initiator name.
+	ServedOverISCSI  bool
+	VolumeZone       string // "" for a volume every zone reaches (NFS)
+	VolumeAccessType AccessType
+	VolumeFsType     string // "" until a filesystem is made
+	VolumeModes      []Mode // the modes it was created for
+	// Attachments are the volume's, as recorded: the node's own may
+	// still carry an older id of it.
+	Attachments []Attachment
+
+	// The request's capability and read-only flag, as the CO gave them.
+	AccessType AccessType
+	FsType     string
+	Mode       Mode
+	ReadOnly   bool
+
+	// The node, as its id parses (package nodeid): NodeID is the whole
+	// id, the others its fields.
+	NodeID         string
+	NodeName       string
+	NodeZone       string
+	NodeAddress    string // "" when the node reports none
+	NodeMaxVolumes int64  // 0 is no limit
+	NodeInitiator  string // "" when the node has no iSCSI initiator
+
+	// NodeVolumes is how many volumes the node holds, this one included
+	// if it does.
+	NodeVolumes int
+	// NodeHeld is each volume the node holds with the zone of the id its
+	// attachment was recorded under.
+	NodeHeld []HeldVolume
+
+	// FencedBy is the fenced blocks that hold the node's address, or
+	// caught the node under an address it had before.
+	FencedBy []netip.Prefix
+	// FencesInForce is every fenced block (none without a fence list).
+	FencesInForce []string
+}
+
+// HeldVolume is a volume a node holds and the zone the node id of its
+// attachment names.
+type HeldVolume struct {
+	VolumeID string
+	NodeZone string
+}
+
+// AttachDecision is DecideAttach's answer. Its Message is whole, as the CO
+// sees it. Reason is empty for a refusal that stands whoever holds the
+// volume (it was made for another access type or filesystem, the
+// transport cannot reach the node): the metrics count the contests over
+// who may hold a volume, and these are none.
+type AttachDecision struct {
+	Decision
+	// Attachment is the node's hold as it is to be recorded and answered
+	// in the publish context, with its effective read-only flag.
+	Attachment Attachment
+	// FollowNode says the node's attachments recorded under an older id
+	// of it are to follow its id before the answer is given. They follow
+	// once the node and the request passed every rule of their own (1 to
+	// 6 of DecideAttach), so that a node refused only for the volume's
+	// other holders or its own limit still reaches what it holds under
+	// its new address; a node refused for itself (another zone, no NFS
+	// address, a fence) or for a request the volume cannot take changes
+	// nothing.
+	FollowNode bool
+}
+
+// DecideAttach decides ControllerPublishVolume: may the node hold the
+// volume as asked, and what is recorded if so. The rules are applied in
+// a fixed order, and the first that refuses is the answer:
+//
+//  1. the node lies in the volume's zone;
+//  2. an NFS volume's node reports the address its export opens to;
+//  3. the access type and filesystem are the volume's;
+//  4. the mode is within a mode the volume was created for;
+//  5. the node reports the zone it holds its other volumes in;
+//  6. the node is not fenced, and can be told from a fenced one;
+//  7. the volume's holders allow one more (CheckAttach), or the node
+//     repeats its own attachment;
+//  8. a new attachment leaves the node within its volume limit;
+//  9. a volume served over iSCSI lets in only a node with an initiator.
+func DecideAttach(f AttachFacts) AttachDecision {
+	out := AttachDecision{Attachment: Attachment{
+		NodeID:      f.NodeID,
+		Mode:        f.Mode,
+		ReadOnly:    EffectiveReadOnly(f.Mode, f.ReadOnly, false),
+		Fingerprint: string(f.AccessType) + "/" + f.FsType,
+	}}
+	answer := func(d Decision) AttachDecision {
+		out.Decision = d
+		return out
+	}
+	if f.VolumeZone != "" && f.NodeZone != f.VolumeZone {
+		return answer(refuse(codes.FailedPrecondition, ReasonOtherZone,
+			"volume %s lives in zone %s and node %s is in zone %s; a volume can only be published to nodes of its zone",
+			f.VolumeID, f.VolumeZone, f.NodeName, f.NodeZone))
+	}
+	if f.Backend == BackendNFS && f.NodeAddress == "" {
+		return answer(refuse(codes.FailedPrecondition, "",
+			"node %s reported no NFS client address, so no export can be opened to it; start its node plugin with --node-address", f.NodeName))
+	}
+	if d := CheckUse(f.VolumeID, f.VolumeAccessType, f.VolumeFsType, f.AccessType, f.FsType); !d.Allowed() {
+		return answer(d)
+	}
+	if d := CheckCreatedModes(f.VolumeID, f.VolumeModes, f.Mode); !d.Allowed() {
+		return answer(d)
+	}
+	if d := CheckNodeZone(f.NodeName, f.NodeZone, f.NodeHeld); !d.Allowed() {
+		return answer(d)
+	}
+	if d := checkNotFenced(f); !d.Allowed() {
+		return answer(d)
+	}
+	out.FollowNode = true
+	// What the node holds is judged under the id it asks with, as it is
+	// recorded once its attachments followed it.
+	followed := slices.Clone(f.Attachments)
+	for i, a := range followed {
+		if a.Node() == f.NodeName {
+			followed[i].NodeID = f.NodeID
+		}
+	}
+	d := CheckAttach(followed, out.Attachment)
+	if !d.Allowed() {
+		d.Message = fmt.Sprintf("volume %s: %s", f.VolumeID, d.Message)
+		return answer(d)
+	}
+	if d.Idempotent {
+		return answer(d)
+	}
+	if f.NodeMaxVolumes > 0 && int64(f.NodeVolumes) >= f.NodeMaxVolumes {
+		// A CO that ignores NodeGetInfo's limit must still be stopped:
+		// loop devices and mounts per node are finite.
+		return answer(refuse(codes.ResourceExhausted, ReasonAttachLimit,
+			"node %s already holds %d volumes, the limit it reports (--max-volumes-per-node on that node); unpublish one first",
+			f.NodeName, f.NodeVolumes))
+	}
+	if f.ServedOverISCSI && f.NodeInitiator == "" {
+		return answer(refuse(codes.FailedPrecondition, "",
+			"node %s reports no iSCSI initiator name, and this volume is served over iSCSI: start its node plugin with --iscsi-initiator-name-file", f.NodeName))
+	}
+	return answer(allow())
+}
+
+// CheckUse refuses an access type or filesystem the volume was not created
+// with.
+func CheckUse(volumeID string, created AccessType, createdFsType string, t AccessType, fsType string) Decision {
+	if t != created {
+		return refuse(codes.InvalidArgument, "", "volume %s was created with access type %s, not %s", volumeID, created, t)
+	}
+	if fsType != "" && createdFsType != "" && fsType != createdFsType {
+		return refuse(codes.InvalidArgument, "", "volume %s holds a %s filesystem, not %s", volumeID, createdFsType, fsType)
+	}
+	return allow()
+}
+
+// CheckCreatedModes refuses a mode that allows more than the modes the
+// volume was created for.
+func CheckCreatedModes(volumeID string, created []Mode, m Mode) Decision {
+	if WithinAny(m, created) {
+		return allow()
+	}
+	return refuse(codes.FailedPrecondition, ReasonModeNotAllowed,
+		"volume %s was created for access modes %s; %s would allow more than that", volumeID, Names(created), Name(m))
+}
+
+// CheckNodeZone refuses a node that reports a zone other than the one
+// its volumes were attached in: a node does not move between zones, and
+// a zonal volume must not follow a node that claims to have. A hold whose
+// zone is not known ("") proves nothing.
+func CheckNodeZone(nodeName, zone string, held []HeldVolume) Decision {
+	var inOther []string
+	was := ""
+	for _, h := range held {
+		if h.NodeZone != "" && h.NodeZone != zone {
+			was = h.NodeZone
+			inOther = append(inOther, h.VolumeID)
+		}
+	}
+	if len(inOther) == 0 {
+		return allow()
+	}
+	return refuse(codes.FailedPrecondition, ReasonOtherZone,
+		"node %s now reports zone %s but holds %s as a node of zone %s; a node does not change zones: restart its plugin with --zone=%s, or unpublish those volumes from it first",
+		nodeName, zone, strings.Join(inOther, ", "), was, was)
+}
+
+// checkNotFenced refuses a fenced node, and a node without an address
+// while fences are in force: whether it is fenced cannot be told.
+func checkNotFenced(f AttachFacts) Decision {
+	if len(f.FencedBy) > 0 {
+		where := "an address it had when the fence caught it"
+		blocks := make([]string, len(f.FencedBy))
+		for i, p := range f.FencedBy {
+			blocks[i] = p.String()
+			if a, err := netip.ParseAddr(f.NodeAddress); err == nil && p.Contains(a) {
+				where = "address " + f.NodeAddress
+			}
+		}
+		return refuse(codes.FailedPrecondition, ReasonFenced,
+			"node %s is fenced from the storage by the network fence on %s (%s): nothing is attached to it until that fence is lifted (UnfenceClusterNetwork; in Kubernetes, its NetworkFence's fenceState set to Unfenced)",
+			f.NodeName, strings.Join(blocks, ", "), where)
+	}
+	if f.NodeAddress == "" && len(f.FencesInForce) > 0 {
+		return refuse(codes.FailedPrecondition, ReasonFenced,
+			"network fences are in force (%s) and node %s reports no address, so whether it is fenced cannot be told: start its node plugin with --node-address, or lift the fences",
+			strings.Join(f.FencesInForce, ", "), f.NodeName)
+	}
+	return allow()
 }

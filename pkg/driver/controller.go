@@ -18,7 +18,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
-	"github.com/modeguard/modeguard/pkg/metrics"
+	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
 	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
@@ -799,68 +799,45 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 	if err != nil {
 		return nil, status.Errorf(codes.NotFound, "node %q is not known to this driver: %v", req.GetNodeId(), err)
 	}
-	if vol.Zone != "" && node.Zone != vol.Zone {
-		s.d.refused(metrics.StageAttach, mode, accessmode.ReasonOtherZone)
-		return nil, status.Errorf(codes.FailedPrecondition,
-			"volume %s lives in zone %s and node %s is in zone %s; a volume can only be published to nodes of its zone",
-			vol.ID, vol.Zone, node.Name, node.Zone)
-	}
-	if id.Backend == accessmode.BackendNFS && node.Address == "" {
-		return nil, status.Errorf(codes.FailedPrecondition,
-			"node %s reported no NFS client address, so no export can be opened to it; start its node plugin with --node-address", node.Name)
-	}
-	if err := checkUse(vol, accessType, fsType); err != nil {
-		return nil, err
-	}
-	if err := checkMode(vol, mode); err != nil {
-		s.d.refused(metrics.StageAttach, mode, accessmode.ReasonModeNotAllowed)
-		return nil, err
-	}
-	want := accessmode.Attachment{
-		NodeID:      node.String(),
-		Mode:        mode,
-		ReadOnly:    accessmode.EffectiveReadOnly(mode, req.GetReadonly(), false),
-		Fingerprint: string(accessType) + "/" + fsType,
-	}
 	unlockNode, err := s.d.nodes.lock(ctx, node.Name)
 	if err != nil {
 		return nil, err
 	}
 	defer unlockNode()
+	// Read under the node's lock, so that two attaches to the node cannot
+	// both pass its volume limit.
 	held, err := s.d.heldBy(ctx, node.Name)
 	if err != nil {
-		return nil, err
-	}
-	if err := checkNodeZone(node, held); err != nil {
-		s.d.refused(metrics.StageAttach, mode, accessmode.ReasonOtherZone)
 		return nil, err
 	}
 	// Until the attachment is recorded, the fence list cannot change.
 	s.d.fenceGate.RLock()
 	defer s.d.fenceGate.RUnlock()
-	if err := s.d.checkNotFenced(node); err != nil {
-		s.d.refused(metrics.StageAttach, mode, accessmode.ReasonFenced)
-		klog.InfoS("Publish refused: the node is fenced", "volumeID", vol.ID, "node", req.GetNodeId(), "reason", status.Convert(err).Message())
+	fencedBy, err := s.d.fencedBy(node)
+	if err != nil {
 		return nil, err
 	}
-	if now, err := s.d.followNode(ctx, node, held, vol.ID); err != nil {
-		return nil, err
-	} else if now != nil {
-		vol = now
-	}
-	decision := accessmode.CheckAttach(vol.Attachments, want)
-	if decision.Allowed() && !decision.Idempotent {
-		if err := checkNodeLimit(node, held); err != nil {
-			s.d.refused(metrics.StageAttach, mode, accessmode.ReasonAttachLimit)
+	_, overISCSI, _ := iscsi.FromContext(vol.ID, vol.Context)
+	decision := accessmode.DecideAttach(accessmode.AttachFacts{
+		VolumeID: vol.ID, Backend: id.Backend, ServedOverISCSI: overISCSI, VolumeZone: vol.Zone,
+		VolumeAccessType: vol.AccessType, VolumeFsType: vol.FsType, VolumeModes: vol.Modes, Attachments: vol.Attachments,
+		AccessType: accessType, FsType: fsType, Mode: mode, ReadOnly: req.GetReadonly(),
+		NodeID: node.String(), NodeName: node.Name, NodeZone: node.Zone, NodeAddress: node.Address,
+		NodeMaxVolumes: node.MaxVolumes, NodeInitiator: node.Initiator,
+		NodeVolumes: len(held), NodeHeld: heldZones(node.Name, held),
+		FencedBy: fencedBy, FencesInForce: s.d.fenceBlocks(),
+	})
+	if decision.FollowNode {
+		if now, err := s.d.followNode(ctx, node, held, vol.ID); err != nil {
 			return nil, err
+		} else if now != nil {
+			vol = now
 		}
 	}
 	if !decision.Allowed() {
-		s.d.refused(metrics.StageAttach, mode, decision.Reason)
-		klog.InfoS("Publish refused by the access-mode rules", "volumeID", vol.ID, "node", req.GetNodeId(),
-			"mode", accessmode.Name(mode), "code", decision.Code, "reason", decision.Message)
-		return nil, status.Errorf(decision.Code, "volume %s: %s", vol.ID, decision.Message)
+		return nil, s.d.refuseAttach(id, mode, decision.Decision, "node", req.GetNodeId())
 	}
+	want := decision.Attachment
 	if !decision.Idempotent {
 		// The others' marks follow the list too, which mends what a
 		// fence pass could not reach.
@@ -879,29 +856,6 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 		PublishContextMode:     accessmode.Name(mode),
 		PublishContextCapacity: strconv.FormatInt(vol.CapacityBytes, 10),
 	}}, nil
-}
-
-// checkUse refuses an access type or filesystem the volume was not created with.
-func checkUse(vol *backend.Volume, accessType accessmode.AccessType, fsType string) error {
-	if accessType != vol.AccessType {
-		return status.Errorf(codes.InvalidArgument,
-			"volume %s was created with access type %s, not %s", vol.ID, vol.AccessType, accessType)
-	}
-	if fsType != "" && vol.FsType != "" && fsType != vol.FsType {
-		return status.Errorf(codes.InvalidArgument,
-			"volume %s holds a %s filesystem, not %s", vol.ID, vol.FsType, fsType)
-	}
-	return nil
-}
-
-// checkMode refuses a mode that allows more than the volume was created for.
-func checkMode(vol *backend.Volume, mode accessmode.Mode) error {
-	if !accessmode.WithinAny(mode, vol.Modes) {
-		return status.Errorf(codes.FailedPrecondition,
-			"volume %s was created for access modes %s; %s would allow more than that",
-			vol.ID, accessmode.Names(vol.Modes), accessmode.Name(mode))
-	}
-	return nil
 }
 
 func (s *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {
@@ -967,7 +921,7 @@ func (s *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *c
 	if err != nil {
 		return nil, err
 	}
-	if checkNodeZone(node, held) == nil {
+	if accessmode.CheckNodeZone(node.Name, node.Zone, heldZones(node.Name, held)).Allowed() {
 		if _, err := s.d.followNode(ctx, node, held, vol.ID); err != nil {
 			return nil, err
 		}
@@ -994,11 +948,11 @@ func (s *controllerServer) ValidateVolumeCapabilities(ctx context.Context, req *
 		if err != nil {
 			return nil, err
 		}
-		if err := checkUse(vol, accessType, fsType); err != nil {
-			return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil
+		if d := accessmode.CheckUse(vol.ID, vol.AccessType, vol.FsType, accessType, fsType); !d.Allowed() {
+			return &csi.ValidateVolumeCapabilitiesResponse{Message: d.Message}, nil
 		}
-		if err := checkMode(vol, mode); err != nil {
-			return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil
+		if d := accessmode.CheckCreatedModes(vol.ID, vol.Modes, mode); !d.Allowed() {
+			return &csi.ValidateVolumeCapabilitiesResponse{Message: d.Message}, nil
 		}
 		if err := accessmode.Serves(mustParse(vol.ID).Backend, accessType, mode); err != nil {
 			return &csi.ValidateVolumeCapabilitiesResponse{Message: err.Error()}, nil

@@ -241,10 +241,27 @@ func (d *Driver) Ready() bool { return !d.HasRole(RoleController) || d.controlle
 // refuse counts and logs a stage or publish the access-mode rules refused
 // and returns its error for the CO.
 func (d *Driver) refuse(stage string, id volumeid.ID, mode accessmode.Mode, decision accessmode.Decision, kv ...any) error {
-	d.refused(stage, mode, decision.Reason)
+	d.noteRefusal(stage, id, mode, decision, kv...)
+	return status.Errorf(decision.Code, "volume %s: %s", id, decision.Message)
+}
+
+// refuseAttach is refuse for accessmode.DecideAttach, whose messages are
+// whole: not every one of them is about the volume.
+func (d *Driver) refuseAttach(id volumeid.ID, mode accessmode.Mode, decision accessmode.Decision, kv ...any) error {
+	d.noteRefusal(metrics.StageAttach, id, mode, decision, kv...)
+	return status.Error(decision.Code, decision.Message)
+}
+
+// noteRefusal logs a refusal, and counts it when it has a reason: one
+// without is a request the volume or its transport cannot take whoever
+// holds it, no contest over who may hold the volume, which is what the
+// metric counts.
+func (d *Driver) noteRefusal(stage string, id volumeid.ID, mode accessmode.Mode, decision accessmode.Decision, kv ...any) {
+	if decision.Reason != "" {
+		d.refused(stage, mode, decision.Reason)
+	}
 	klog.InfoS("Refused by the access-mode rules", append([]any{"volumeID", id, "stage", stage, "mode", accessmode.Name(mode),
 		"code", decision.Code, "reason", decision.Message}, kv...)...)
-	return status.Errorf(decision.Code, "volume %s: %s", id, decision.Message)
 }
 
 // refused counts a publish the access-mode rules refused (when metrics are on).

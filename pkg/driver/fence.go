@@ -125,31 +125,12 @@ func (d *Driver) fencedBy(node nodeid.Node) ([]netip.Prefix, error) {
 	return by, nil
 }
 
-// checkNotFenced refuses to attach a fenced node, and a node without an
-// address while fences are in force: whether it is fenced cannot be told.
-// The caller holds fenceGate for reading until its attach is recorded.
-func (d *Driver) checkNotFenced(node nodeid.Node) error {
-	by, err := d.fencedBy(node)
-	if err != nil {
-		return err
+// fenceBlocks is every fenced block, none without a fence list.
+func (d *Driver) fenceBlocks() []string {
+	if d.fences == nil {
+		return nil
 	}
-	if len(by) > 0 {
-		where := "address " + node.Address
-		if node.Address == "" || !slices.ContainsFunc(by, func(p netip.Prefix) bool { return p.Contains(netip.MustParseAddr(node.Address)) }) {
-			where = "an address it had when the fence caught it"
-		}
-		return status.Errorf(codes.FailedPrecondition,
-			"node %s is fenced from the storage by the network fence on %s (%s): nothing is attached to it until that fence is lifted (UnfenceClusterNetwork; in Kubernetes, its NetworkFence's fenceState set to Unfenced)",
-			node.Name, prefixList(by), where)
-	}
-	if node.Address == "" && d.fences != nil {
-		if fences := d.fences.Fences(); len(fences) > 0 {
-			return status.Errorf(codes.FailedPrecondition,
-				"network fences are in force (%s) and node %s reports no address, so whether it is fenced cannot be told: start its node plugin with --node-address, or lift the fences",
-				strings.Join(netfence.Blocks(fences), ", "), node.Name)
-		}
-	}
-	return nil
+	return netfence.Blocks(d.fences.Fences())
 }
 
 // withFences returns attachments with each one's fenced flag as the fence

@@ -83,31 +83,24 @@ func (d *Driver) heldBy(ctx context.Context, key string) ([]*backend.Volume, err
 	return out, nil
 }
 
-// checkNodeZone refuses a node id whose zone differs from the zone the
-// node held its volumes in: a node does not move between zones, and a
-// zonal volume must not follow a node that claims to have.
-func checkNodeZone(node nodeid.Node, held []*backend.Volume) error {
-	var inOther []string
-	was := ""
+// heldZones is each volume of held that node key holds, with the zone of
+// the id its attachment was recorded under ("" when that id does not
+// parse): what tells whether the node now claims another zone.
+func heldZones(key string, held []*backend.Volume) []accessmode.HeldVolume {
+	var out []accessmode.HeldVolume
 	for _, v := range held {
 		for _, a := range v.Attachments {
-			if a.Node() != node.Name {
+			if a.Node() != key {
 				continue
 			}
-			old, err := nodeid.Parse(a.NodeID)
-			if err != nil || old.Zone == node.Zone {
-				continue
+			zone := ""
+			if old, err := nodeid.Parse(a.NodeID); err == nil {
+				zone = old.Zone
 			}
-			was = old.Zone
-			inOther = append(inOther, v.ID)
+			out = append(out, accessmode.HeldVolume{VolumeID: v.ID, NodeZone: zone})
 		}
 	}
-	if len(inOther) == 0 {
-		return nil
-	}
-	return status.Errorf(codes.FailedPrecondition,
-		"node %s now reports zone %s but holds %s as a node of zone %s; a node does not change zones: restart its plugin with --zone=%s, or unpublish those volumes from it first",
-		node.Name, node.Zone, strings.Join(inOther, ", "), was, was)
+	return out
 }
 
 // followNode records node's newest id in every attachment it holds that
@@ -190,20 +183,6 @@ func (d *Driver) controllerOfVolume(raw string) (volumeid.ID, backend.Controller
 		return volumeid.ID{}, nil, err
 	}
 	return id, ctrl, nil
-}
-
-// checkNodeLimit refuses one more volume on a node that already holds as
-// many as it reported it can (the limit in its id, which is what its
-// NodeGetInfo reports too): loop devices and mounts per node are finite,
-// and a CO that ignores NodeGetInfo's limit must still be stopped. The
-// caller holds the node's lock, so concurrent attaches cannot both pass.
-func checkNodeLimit(node nodeid.Node, held []*backend.Volume) error {
-	if node.MaxVolumes <= 0 || int64(len(held)) < node.MaxVolumes {
-		return nil
-	}
-	return status.Errorf(codes.ResourceExhausted,
-		"node %s already holds %d volumes, the limit it reports (--max-volumes-per-node on that node); unpublish one first",
-		node.Name, len(held))
 }
 
 // nodeZonesFor returns the zone of every node the controller knows (from
