@@ -1,18 +1,26 @@
 package accessmode
 
 import (
+	"encoding/json"
+	"errors"
 	"fmt"
-	"strings"
 
 	"google.golang.org/grpc/codes"
+
+	"github.com/modeguard/modeguard/pkg/nodeid"
 )
 
 // Attachment is one node's hold on a volume, as the controller records it at
 // ControllerPublishVolume.
 type Attachment struct {
-	NodeID   string `json:"nodeID"`
-	Mode     Mode   `json:"mode"`
-	ReadOnly bool   `json:"readOnly"`
+	// Node is the node as its id said when it was attached (or when the
+	// attachment last followed the node's newer id); a record holds it as
+	// that id string. Attachments are matched by its key (Node.Name), not
+	// by the whole id, whose zone, address and limit are attributes a node
+	// may report differently after a restart.
+	Node     nodeid.Node `json:"nodeID"`
+	Mode     Mode        `json:"mode"`
+	ReadOnly bool        `json:"readOnly"`
 	// Fingerprint identifies the rest of the capability (access type, fs
 	// type, mount flags): the same node asking again with another one is
 	// refused with ALREADY_EXISTS rather than silently changed.
@@ -23,6 +31,22 @@ type Attachment struct {
 	// rules, so the volume is not free for another writer until the CO
 	// unpublishes the fenced node (its force-detach).
 	Fenced bool `json:"fenced,omitempty"`
+}
+
+// UnmarshalJSON loads a recorded attachment, refusing one that names no
+// node (its node id missing or null): it would match no node, and a volume
+// held by a node the record no longer names could be given to another.
+func (a *Attachment) UnmarshalJSON(data []byte) error {
+	type plain Attachment // without this method
+	var r plain
+	if err := json.Unmarshal(data, &r); err != nil {
+		return err
+	}
+	if r.Node == (nodeid.Node{}) {
+		return errors.New("an attachment names no node (no nodeID)")
+	}
+	*a = Attachment(r)
+	return nil
 }
 
 // Served is the attachments the storage must serve: every one but the
@@ -37,30 +61,18 @@ func Served(attachments []Attachment) []Attachment {
 	return out
 }
 
-// NodeKey is the part of a node id that names the node (see package
-// nodeid: everything before the first '@'). Attachments are matched by it,
-// not by the whole id, whose zone, address and limit are attributes a node
-// may report differently after a restart.
-func NodeKey(nodeID string) string {
-	k, _, _ := strings.Cut(nodeID, "@")
-	return k
-}
-
-// Node is the key of the node holding the attachment.
-func (a Attachment) Node() string { return NodeKey(a.NodeID) }
-
 // CheckAttach decides whether req may join the existing attachments
 // (ControllerPublishVolume, across nodes). req.ReadOnly must already be the
 // effective value (see EffectiveReadOnly). Nodes are told apart by their
-// key (Attachment.Node): a node asking again under a new address is the
-// same node.
+// key (Attachment.Node.Name): a node asking again under a new address is
+// the same node.
 func CheckAttach(existing []Attachment, req Attachment) Decision {
 	if !Valid(req.Mode) {
 		return refuse(codes.InvalidArgument, ReasonInvalidMode, "access mode %v is not a defined CSI access mode", req.Mode)
 	}
 	var others []Attachment
 	for _, a := range existing {
-		if a.Node() != req.Node() {
+		if a.Node.Name != req.Node.Name {
 			others = append(others, a)
 			continue
 		}
@@ -69,7 +81,7 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 		}
 		return refuse(codes.AlreadyExists, ReasonPublishedWithOtherArguments,
 			"volume is already published to node %q as %s (readonly=%t) with another capability; unpublish it from that node first",
-			a.NodeID, Name(a.Mode), a.ReadOnly)
+			a.Node, Name(a.Mode), a.ReadOnly)
 	}
 	if len(others) == 0 {
 		return allow()
@@ -78,7 +90,7 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 	if want.nodes == 1 {
 		return refuse(codes.FailedPrecondition, ReasonHeldByOtherNode,
 			"volume is published to node %q; access mode %s allows one node at a time: unpublish it there (stop the workload) before publishing to node %q",
-			others[0].NodeID, Name(req.Mode), req.NodeID)
+			others[0].Node, Name(req.Mode), req.Node)
 	}
 	// Every holder's mode bounds the writer nodes of all of them, the
 	// request's included, and whether or not the request itself writes: a
@@ -91,13 +103,13 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 		if l.nodes == 1 {
 			return refuse(codes.FailedPrecondition, ReasonHeldByOtherNode,
 				"volume is published to node %q as %s, which allows one node at a time; unpublish it there before publishing to node %q",
-				o.NodeID, Name(o.Mode), req.NodeID)
+				o.Node, Name(o.Mode), req.Node)
 		}
 		if l.writerNodes < writerLimit {
 			writerLimit, limiter = l.writerNodes, o
 		}
 		if !o.ReadOnly {
-			writers = append(writers, o.NodeID)
+			writers = append(writers, o.Node.String())
 		}
 	}
 	total := len(writers)
@@ -112,18 +124,18 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 		allows = "one writer node"
 	}
 	rule := fmt.Sprintf("access mode %s allows %s", Name(req.Mode), allows)
-	if limiter.Node() != req.Node() {
-		rule = fmt.Sprintf("node %q holds it as %s, which allows %s", limiter.NodeID, Name(limiter.Mode), allows)
+	if limiter.Node.Name != req.Node.Name {
+		rule = fmt.Sprintf("node %q holds it as %s, which allows %s", limiter.Node, Name(limiter.Mode), allows)
 	}
 	if len(writers) == 0 { // req is the only writer
-		if limiter.Node() == req.Node() {
+		if limiter.Node.Name == req.Node.Name {
 			return refuse(codes.FailedPrecondition, ReasonWriterLimit,
 				"volume is published read-only to node %q; access mode %s allows no writer node; publish read-only instead",
-				others[0].NodeID, Name(req.Mode))
+				others[0].Node, Name(req.Mode))
 		}
 		return refuse(codes.FailedPrecondition, ReasonWriterLimit,
 			"volume is published read-only to node %q as %s, which allows no writer node; publish read-only instead",
-			limiter.NodeID, Name(limiter.Mode))
+			limiter.Node, Name(limiter.Mode))
 	}
 	advice := "publish read-only or unpublish it there first"
 	if req.ReadOnly {
@@ -150,11 +162,11 @@ func SoleWriterLeft(old, now []Attachment) bool {
 	writesNow := map[string]bool{}
 	for _, a := range Served(now) {
 		if !a.ReadOnly {
-			writesNow[a.Node()] = true
+			writesNow[a.Node.Name] = true
 		}
 	}
 	for _, a := range Served(old) {
-		if a.ReadOnly || writesNow[a.Node()] {
+		if a.ReadOnly || writesNow[a.Node.Name] {
 			continue
 		}
 		if l, ok := limitsOf(a.Mode); ok && l.writerNodes == 1 {

@@ -774,7 +774,7 @@ func attachedNodes(vol *backend.Volume) string {
 		if a.ReadOnly {
 			rw = "ro"
 		}
-		out = append(out, fmt.Sprintf("%s (%s, %s)", a.NodeID, accessmode.Name(a.Mode), rw))
+		out = append(out, fmt.Sprintf("%s (%s, %s)", a.Node, accessmode.Name(a.Mode), rw))
 	}
 	return strings.Join(out, ", ")
 }
@@ -797,7 +797,8 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 	defer release()
 	node, err := nodeid.Parse(req.GetNodeId())
 	if err != nil {
-		return nil, status.Errorf(codes.NotFound, "node %q is not known to this driver: %v", req.GetNodeId(), err)
+		return nil, status.Errorf(codes.NotFound, "node %q is not known to this driver, whose node plugins report ids of the form %s: %v",
+			req.GetNodeId(), nodeid.Format, err)
 	}
 	if vol.Zone != "" && node.Zone != vol.Zone {
 		s.d.refused(metrics.StageAttach, mode, accessmode.ReasonOtherZone)
@@ -817,7 +818,7 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 		return nil, err
 	}
 	want := accessmode.Attachment{
-		NodeID:      node.String(),
+		Node:        node,
 		Mode:        mode,
 		ReadOnly:    accessmode.EffectiveReadOnly(mode, req.GetReadonly(), false),
 		Fingerprint: string(accessType) + "/" + fsType,
@@ -936,8 +937,15 @@ func (s *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *c
 		return &csi.ControllerUnpublishVolumeResponse{}, nil
 	}
 	// The node is matched by its key, so a node that came back under a
-	// new address can still let go of what it held under the old one.
-	key := nodeid.KeyOf(req.GetNodeId())
+	// new address can still let go of what it held under the old one,
+	// and one whose id this driver cannot parse (a node plugin of another
+	// version) of what it held under an id it could.
+	node, err := nodeid.Parse(req.GetNodeId())
+	parsed := err == nil
+	key := node.Name
+	if !parsed {
+		key = nodeid.KeyOf(req.GetNodeId())
+	}
 	unlockNode, err := s.d.nodes.lock(ctx, key)
 	if err != nil {
 		return nil, err
@@ -946,7 +954,7 @@ func (s *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *c
 	// The marks of those who stay follow the fence list, as on publish.
 	s.d.fenceGate.RLock()
 	defer s.d.fenceGate.RUnlock()
-	keep := slices.DeleteFunc(slices.Clone(vol.Attachments), func(a accessmode.Attachment) bool { return a.Node() == key })
+	keep := slices.DeleteFunc(slices.Clone(vol.Attachments), func(a accessmode.Attachment) bool { return a.Node.Name == key })
 	if len(keep) < len(vol.Attachments) {
 		keep, _, err := s.d.withFences(keep)
 		if err != nil {
@@ -959,8 +967,7 @@ func (s *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *c
 	}
 	// The id is the node's newest: what else it holds follows it, unless
 	// it claims another zone (which its publishes then refuse).
-	node, err := nodeid.Parse(req.GetNodeId())
-	if err != nil {
+	if !parsed {
 		return &csi.ControllerUnpublishVolumeResponse{}, nil
 	}
 	held, err := s.d.heldBy(ctx, key)
@@ -1064,7 +1071,7 @@ func validVolumeToken(t string) bool {
 func publishedNodes(vol *backend.Volume) []string {
 	out := make([]string, 0, len(vol.Attachments))
 	for _, a := range vol.Attachments {
-		out = append(out, a.NodeID)
+		out = append(out, a.Node.String())
 	}
 	return out
 }

@@ -91,14 +91,10 @@ func checkNodeZone(node nodeid.Node, held []*backend.Volume) error {
 	was := ""
 	for _, v := range held {
 		for _, a := range v.Attachments {
-			if a.Node() != node.Name {
+			if a.Node.Name != node.Name || a.Node.Zone == node.Zone {
 				continue
 			}
-			old, err := nodeid.Parse(a.NodeID)
-			if err != nil || old.Zone == node.Zone {
-				continue
-			}
-			was = old.Zone
+			was = a.Node.Zone
 			inOther = append(inOther, v.ID)
 		}
 	}
@@ -128,7 +124,7 @@ func (d *Driver) followNode(ctx context.Context, node nodeid.Node, held []*backe
 	var after *backend.Volume
 	for _, v := range held {
 		stale := slices.ContainsFunc(v.Attachments, func(a accessmode.Attachment) bool {
-			return a.Node() == node.Name && a.NodeID != id
+			return a.Node.Name == node.Name && a.Node != node
 		})
 		if !stale {
 			if v.ID == current {
@@ -158,9 +154,9 @@ func (d *Driver) followNode(ctx context.Context, node nodeid.Node, held []*backe
 		atts := slices.Clone(v.Attachments)
 		var from []string
 		for i, a := range atts {
-			if a.Node() == node.Name && a.NodeID != id {
-				from = append(from, a.NodeID)
-				atts[i].NodeID = id
+			if a.Node.Name == node.Name && a.Node != node {
+				from = append(from, a.Node.String())
+				atts[i].Node = node
 				atts[i].Fenced = a.Fenced || len(fenced) > 0
 			}
 		}
@@ -227,9 +223,7 @@ func (d *Driver) nodeZonesFor(ctx context.Context, req *csi.TopologyRequirement)
 	zones := map[string]string{}
 	for _, v := range all {
 		for _, a := range v.Attachments {
-			if n, err := nodeid.Parse(a.NodeID); err == nil {
-				zones[n.Name] = n.Zone
-			}
+			zones[a.Node.Name] = a.Node.Zone
 		}
 	}
 	return zones, nil
