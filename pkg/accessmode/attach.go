@@ -1,20 +1,29 @@
 package accessmode
 
 import (
+	"encoding/json"
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
 	"strings"
 
 	"google.golang.org/grpc/codes"
+
+	"github.com/modeguard/modeguard/pkg/nodeid"
 )
 
 // Attachment is one node's hold on a volume, as the controller records it at
 // ControllerPublishVolume.
 type Attachment struct {
-	NodeID   string `json:"nodeID"`
-	Mode     Mode   `json:"mode"`
-	ReadOnly bool   `json:"readOnly"`
+	// Node is the node as its id said when it was attached (or when the
+	// attachment last followed the node's newer id); a record holds it as
+	// that id string. Attachments are matched by its key (Node.Name), not
+	// by the whole id, whose zone, address and limit are attributes a node
+	// may report differently after a restart.
+	Node     nodeid.Node `json:"nodeID"`
+	Mode     Mode        `json:"mode"`
+	ReadOnly bool        `json:"readOnly"`
 	// Fingerprint identifies the rest of the capability (access type, fs
 	// type, mount flags): the same node asking again with another one is
 	// refused with ALREADY_EXISTS rather than silently changed.
@@ -25,6 +34,22 @@ type Attachment struct {
 	// rules, so the volume is not free for another writer until the CO
 	// unpublishes the fenced node (its force-detach).
 	Fenced bool `json:"fenced,omitempty"`
+}
+
+// UnmarshalJSON loads a recorded attachment, refusing one that names no
+// node (its node id missing or null): it would match no node, and a volume
+// held by a node the record no longer names could be given to another.
+func (a *Attachment) UnmarshalJSON(data []byte) error {
+	type plain Attachment // without this method
+	var r plain
+	if err := json.Unmarshal(data, &r); err != nil {
+		return err
+	}
+	if r.Node == (nodeid.Node{}) {
+		return errors.New("an attachment names no node (no nodeID)")
+	}
+	*a = Attachment(r)
+	return nil
 }
 
 // Served is the attachments the storage must serve: every one but the
@@ -39,30 +64,18 @@ func Served(attachments []Attachment) []Attachment {
 	return out
 }
 
-// NodeKey is the part of a node id that names the node (see package
-// nodeid: everything before the first '@'). Attachments are matched by it,
-// not by the whole id, whose zone, address and limit are attributes a node
-// may report differently after a restart.
-func NodeKey(nodeID string) string {
-	k, _, _ := strings.Cut(nodeID, "@")
-	return k
-}
-
-// Node is the key of the node holding the attachment.
-func (a Attachment) Node() string { return NodeKey(a.NodeID) }
-
 // CheckAttach decides whether req may join the existing attachments
 // (ControllerPublishVolume, across nodes). req.ReadOnly must already be the
 // effective value (see EffectiveReadOnly). Nodes are told apart by their
-// key (Attachment.Node): a node asking again under a new address is the
-// same node.
+// key (Attachment.Node.Name): a node asking again under a new address is
+// the same node.
 func CheckAttach(existing []Attachment, req Attachment) Decision {
 	if !Valid(req.Mode) {
 		return refuse(codes.InvalidArgument, ReasonInvalidMode, "access mode %v is not a defined CSI access mode", req.Mode)
 	}
 	var others []Attachment
 	for _, a := range existing {
-		if a.Node() != req.Node() {
+		if a.Node.Name != req.Node.Name {
 			others = append(others, a)
 			continue
 		}
@@ -71,7 +84,7 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 		}
 		return refuse(codes.AlreadyExists, ReasonPublishedWithOtherArguments,
 			"volume is already published to node %q as %s (readonly=%t) with another capability; unpublish it from that node first",
-			a.NodeID, Name(a.Mode), a.ReadOnly)
+			a.Node, Name(a.Mode), a.ReadOnly)
 	}
 	if len(others) == 0 {
 		return allow()
@@ -80,7 +93,7 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 	if want.nodes == 1 {
 		return refuse(codes.FailedPrecondition, ReasonHeldByOtherNode,
 			"volume is published to node %q; access mode %s allows one node at a time: unpublish it there (stop the workload) before publishing to node %q",
-			others[0].NodeID, Name(req.Mode), req.NodeID)
+			others[0].Node, Name(req.Mode), req.Node)
 	}
 	// Every holder's mode bounds the writer nodes of all of them, the
 	// request's included, and whether or not the request itself writes: a
@@ -93,13 +106,13 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 		if l.nodes == 1 {
 			return refuse(codes.FailedPrecondition, ReasonHeldByOtherNode,
 				"volume is published to node %q as %s, which allows one node at a time; unpublish it there before publishing to node %q",
-				o.NodeID, Name(o.Mode), req.NodeID)
+				o.Node, Name(o.Mode), req.Node)
 		}
 		if l.writerNodes < writerLimit {
 			writerLimit, limiter = l.writerNodes, o
 		}
 		if !o.ReadOnly {
-			writers = append(writers, o.NodeID)
+			writers = append(writers, o.Node.String())
 		}
 	}
 	total := len(writers)
@@ -114,18 +127,18 @@ func CheckAttach(existing []Attachment, req Attachment) Decision {
 		allows = "one writer node"
 	}
 	rule := fmt.Sprintf("access mode %s allows %s", Name(req.Mode), allows)
-	if limiter.Node() != req.Node() {
-		rule = fmt.Sprintf("node %q holds it as %s, which allows %s", limiter.NodeID, Name(limiter.Mode), allows)
+	if limiter.Node.Name != req.Node.Name {
+		rule = fmt.Sprintf("node %q holds it as %s, which allows %s", limiter.Node, Name(limiter.Mode), allows)
 	}
 	if len(writers) == 0 { // req is the only writer
-		if limiter.Node() == req.Node() {
+		if limiter.Node.Name == req.Node.Name {
 			return refuse(codes.FailedPrecondition, ReasonWriterLimit,
 				"volume is published read-only to node %q; access mode %s allows no writer node; publish read-only instead",
-				others[0].NodeID, Name(req.Mode))
+				others[0].Node, Name(req.Mode))
 		}
 		return refuse(codes.FailedPrecondition, ReasonWriterLimit,
 			"volume is published read-only to node %q as %s, which allows no writer node; publish read-only instead",
-			limiter.NodeID, Name(limiter.Mode))
+			limiter.Node, Name(limiter.Mode))
 	}
 	advice := "publish read-only or unpublish it there first"
 	if req.ReadOnly {
@@ -152,11 +165,11 @@ func SoleWriterLeft(old, now []Attachment) bool {
 	writesNow := map[string]bool{}
 	for _, a := range Served(now) {
 		if !a.ReadOnly {
-			writesNow[a.Node()] = true
+			writesNow[a.Node.Name] = true
 		}
 	}
 	for _, a := range Served(old) {
-		if a.ReadOnly || writesNow[a.Node()] {
+		if a.ReadOnly || writesNow[a.Node.Name] {
 			continue
 		}
 		if l, ok := limitsOf(a.Mode); ok && l.writerNodes == 1 {
@@ -192,14 +205,8 @@ type AttachFacts struct {
 	Mode       Mode
 	ReadOnly   bool
 
-	// The node, as its id parses (package nodeid): NodeID is the whole
-	// id, the others its fields.
-	NodeID         string
-	NodeName       string
-	NodeZone       string
-	NodeAddress    string // "" when the node reports none
-	NodeMaxVolumes int64  // 0 is no limit
-	NodeInitiator  string // "" when the node has no iSCSI initiator
+	// Node is the node asking, as its id parsed.
+	Node nodeid.Node
 
 	// NodeVolumes is how many volumes the node holds, this one included
 	// if it does.
@@ -259,7 +266,7 @@ type AttachDecision struct {
 //  9. a volume served over iSCSI lets in only a node with an initiator.
 func DecideAttach(f AttachFacts) AttachDecision {
 	out := AttachDecision{Attachment: Attachment{
-		NodeID:      f.NodeID,
+		Node:        f.Node,
 		Mode:        f.Mode,
 		ReadOnly:    EffectiveReadOnly(f.Mode, f.ReadOnly, false),
 		Fingerprint: string(f.AccessType) + "/" + f.FsType,
@@ -268,14 +275,14 @@ func DecideAttach(f AttachFacts) AttachDecision {
 		out.Decision = d
 		return out
 	}
-	if f.VolumeZone != "" && f.NodeZone != f.VolumeZone {
+	if f.VolumeZone != "" && f.Node.Zone != f.VolumeZone {
 		return answer(refuse(codes.FailedPrecondition, ReasonOtherZone,
 			"volume %s lives in zone %s and node %s is in zone %s; a volume can only be published to nodes of its zone",
-			f.VolumeID, f.VolumeZone, f.NodeName, f.NodeZone))
+			f.VolumeID, f.VolumeZone, f.Node.Name, f.Node.Zone))
 	}
-	if f.Backend == BackendNFS && f.NodeAddress == "" {
+	if f.Backend == BackendNFS && f.Node.Address == "" {
 		return answer(refuse(codes.FailedPrecondition, "",
-			"node %s reported no NFS client address, so no export can be opened to it; start its node plugin with --node-address", f.NodeName))
+			"node %s reported no NFS client address, so no export can be opened to it; start its node plugin with --node-address", f.Node.Name))
 	}
 	if d := CheckUse(f.VolumeID, f.VolumeAccessType, f.VolumeFsType, f.AccessType, f.FsType); !d.Allowed() {
 		return answer(d)
@@ -283,7 +290,7 @@ func DecideAttach(f AttachFacts) AttachDecision {
 	if d := CheckCreatedModes(f.VolumeID, f.VolumeModes, f.Mode); !d.Allowed() {
 		return answer(d)
 	}
-	if d := CheckNodeZone(f.NodeName, f.NodeZone, f.NodeHeld); !d.Allowed() {
+	if d := CheckNodeZone(f.Node.Name, f.Node.Zone, f.NodeHeld); !d.Allowed() {
 		return answer(d)
 	}
 	if d := checkNotFenced(f); !d.Allowed() {
@@ -294,8 +301,8 @@ func DecideAttach(f AttachFacts) AttachDecision {
 	// recorded once its attachments followed it.
 	followed := slices.Clone(f.Attachments)
 	for i, a := range followed {
-		if a.Node() == f.NodeName {
-			followed[i].NodeID = f.NodeID
+		if a.Node.Name == f.Node.Name {
+			followed[i].Node = f.Node
 		}
 	}
 	d := CheckAttach(followed, out.Attachment)
@@ -306,16 +313,16 @@ func DecideAttach(f AttachFacts) AttachDecision {
 	if d.Idempotent {
 		return answer(d)
 	}
-	if f.NodeMaxVolumes > 0 && int64(f.NodeVolumes) >= f.NodeMaxVolumes {
+	if f.Node.MaxVolumes > 0 && int64(f.NodeVolumes) >= f.Node.MaxVolumes {
 		// A CO that ignores NodeGetInfo's limit must still be stopped:
 		// loop devices and mounts per node are finite.
 		return answer(refuse(codes.ResourceExhausted, ReasonAttachLimit,
 			"node %s already holds %d volumes, the limit it reports (--max-volumes-per-node on that node); unpublish one first",
-			f.NodeName, f.NodeVolumes))
+			f.Node.Name, f.NodeVolumes))
 	}
-	if f.ServedOverISCSI && f.NodeInitiator == "" {
+	if f.ServedOverISCSI && f.Node.Initiator == "" {
 		return answer(refuse(codes.FailedPrecondition, "",
-			"node %s reports no iSCSI initiator name, and this volume is served over iSCSI: start its node plugin with --iscsi-initiator-name-file", f.NodeName))
+			"node %s reports no iSCSI initiator name, and this volume is served over iSCSI: start its node plugin with --iscsi-initiator-name-file", f.Node.Name))
 	}
 	return answer(allow())
 }
@@ -371,18 +378,18 @@ func checkNotFenced(f AttachFacts) Decision {
 		blocks := make([]string, len(f.FencedBy))
 		for i, p := range f.FencedBy {
 			blocks[i] = p.String()
-			if a, err := netip.ParseAddr(f.NodeAddress); err == nil && p.Contains(a) {
-				where = "address " + f.NodeAddress
+			if a, err := netip.ParseAddr(f.Node.Address); err == nil && p.Contains(a) {
+				where = "address " + f.Node.Address
 			}
 		}
 		return refuse(codes.FailedPrecondition, ReasonFenced,
 			"node %s is fenced from the storage by the network fence on %s (%s): nothing is attached to it until that fence is lifted (UnfenceClusterNetwork; in Kubernetes, its NetworkFence's fenceState set to Unfenced)",
-			f.NodeName, strings.Join(blocks, ", "), where)
+			f.Node.Name, strings.Join(blocks, ", "), where)
 	}
-	if f.NodeAddress == "" && len(f.FencesInForce) > 0 {
+	if f.Node.Address == "" && len(f.FencesInForce) > 0 {
 		return refuse(codes.FailedPrecondition, ReasonFenced,
 			"network fences are in force (%s) and node %s reports no address, so whether it is fenced cannot be told: start its node plugin with --node-address, or lift the fences",
-			strings.Join(f.FencesInForce, ", "), f.NodeName)
+			strings.Join(f.FencesInForce, ", "), f.Node.Name)
 	}
 	return allow()
 }

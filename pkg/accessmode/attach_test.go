@@ -1,23 +1,92 @@
 package accessmode
 
 import (
+	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
 	"testing"
 
 	"google.golang.org/grpc/codes"
+
+	"github.com/modeguard/modeguard/pkg/nodeid"
 )
 
+// node is the node of key name in zone-a: its id is name@zone-a.
+func node(name string) nodeid.Node { return nodeid.Node{Name: name, Zone: "zone-a"} }
+
 // at is one node's hold, read/write ("rw") or read-only ("ro").
-func at(node string, m Mode, rw string) Attachment {
+func at(name string, m Mode, rw string) Attachment {
 	if rw != "rw" && rw != "ro" {
 		panic("at: rw must be rw or ro, not " + rw)
 	}
-	return Attachment{NodeID: node, Mode: m, ReadOnly: rw == "ro", Fingerprint: "mount/ext4"}
+	return Attachment{Node: node(name), Mode: m, ReadOnly: rw == "ro", Fingerprint: "mount/ext4"}
+}
+
+// atID is the hold of the node whose whole id is id.
+func atID(id string, m Mode, rw string) Attachment {
+	a := at("", m, rw)
+	a.Node = nodeid.MustParse(id)
+	return a
 }
 
 func holds(a ...Attachment) []Attachment { return a }
+
+// A record holds an attachment's node as the id string the node plugin
+// reported, as records written before the node was typed do: such a record
+// loads to the parsed node and is written back byte for byte.
+func TestAttachmentRecordHoldsTheNodeID(t *testing.T) {
+	tests := []struct {
+		record string
+		want   nodeid.Node
+	}{
+		{`{"nodeID":"worker-1@zone-a","mode":1,"readOnly":false,"fingerprint":"mount/ext4"}`,
+			nodeid.Node{Name: "worker-1", Zone: "zone-a"}},
+		{`{"nodeID":"worker-2@zone-a@10.0.0.12@64","mode":5,"readOnly":true,"fenced":true}`,
+			nodeid.Node{Name: "worker-2", Zone: "zone-a", Address: "10.0.0.12", MaxVolumes: 64}},
+		{`{"nodeID":"worker-3@zone-b@@@iqn.2026-11.io.example:worker-3","mode":3,"readOnly":true,"fingerprint":"block/"}`,
+			nodeid.Node{Name: "worker-3", Zone: "zone-b", Initiator: "iqn.2026-11.io.example:worker-3"}},
+	}
+	for _, tt := range tests {
+		var a Attachment
+		if err := json.Unmarshal([]byte(tt.record), &a); err != nil {
+			t.Fatalf("loading %s: %v", tt.record, err)
+		}
+		if a.Node != tt.want {
+			t.Errorf("%s loads the node %+v, want %+v", tt.record, a.Node, tt.want)
+		}
+		out, err := json.Marshal(a)
+		if err != nil || string(out) != tt.record {
+			t.Errorf("%s is written back as %s (%v)", tt.record, out, err)
+		}
+	}
+}
+
+// A record whose node id does not parse does not load: what it says about
+// the node cannot be trusted, and a node that matched no attachment could
+// be let in beside it. Nor is a node that does not validate written.
+func TestAttachmentRecordWithABadNodeID(t *testing.T) {
+	for _, record := range []string{
+		`{"nodeID":"worker-1","mode":1,"readOnly":false}`,
+		`{"nodeID":"","mode":1,"readOnly":false}`,
+		`{"nodeID":"worker-1@zone-a@10.0.0.1@x","mode":1,"readOnly":false}`,
+		`{"nodeID":"../etc@zone-a","mode":1,"readOnly":false}`,
+		`{"nodeID":7,"mode":1,"readOnly":false}`,
+		`{"nodeID":null,"mode":1,"readOnly":false}`,
+		`{"mode":1,"readOnly":false}`,
+	} {
+		var a Attachment
+		err := json.Unmarshal([]byte(record), &a)
+		if err == nil {
+			t.Errorf("%s loads: %+v", record, a)
+		} else if !strings.Contains(err.Error(), "node") {
+			t.Errorf("%s: error %q does not say the node id is at fault", record, err)
+		}
+	}
+	if out, err := json.Marshal(Attachment{Node: nodeid.Node{Name: "worker-1"}, Mode: SNW}); err == nil {
+		t.Errorf("an attachment to a node without a zone is written as %s", out)
+	}
+}
 
 // TestCheckAttach is ControllerPublishVolume across nodes: may req join the
 // nodes that already hold the volume?
@@ -33,23 +102,23 @@ func TestCheckAttach(t *testing.T) {
 	}{
 		// SINGLE_NODE_*: "Volume published to another node" ->
 		// FAILED_PRECONDITION naming the node that holds it.
-		{"SNW second node", holds(at("node-a", SNW, "rw")), at("node-b", SNW, "rw"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
-		{"SNSW second node", holds(at("node-a", SNSW, "rw")), at("node-b", SNSW, "rw"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
-		{"SNMW second node", holds(at("node-a", SNMW, "rw")), at("node-b", SNMW, "rw"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
-		{"SNRO second node", holds(at("node-a", SNRO, "ro")), at("node-b", SNRO, "ro"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
-		{"SNW second node read-only", holds(at("node-a", SNW, "rw")), at("node-b", SNW, "ro"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
-		{"SNSW after SNW on another node", holds(at("node-a", SNW, "rw")), at("node-b", SNSW, "rw"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
+		{"SNW second node", holds(at("node-a", SNW, "rw")), at("node-b", SNW, "rw"), FP, false, []string{`"node-a@zone-a"`}, "HeldByOtherNode"},
+		{"SNSW second node", holds(at("node-a", SNSW, "rw")), at("node-b", SNSW, "rw"), FP, false, []string{`"node-a@zone-a"`}, "HeldByOtherNode"},
+		{"SNMW second node", holds(at("node-a", SNMW, "rw")), at("node-b", SNMW, "rw"), FP, false, []string{`"node-a@zone-a"`}, "HeldByOtherNode"},
+		{"SNRO second node", holds(at("node-a", SNRO, "ro")), at("node-b", SNRO, "ro"), FP, false, []string{`"node-a@zone-a"`}, "HeldByOtherNode"},
+		{"SNW second node read-only", holds(at("node-a", SNW, "rw")), at("node-b", SNW, "ro"), FP, false, []string{`"node-a@zone-a"`}, "HeldByOtherNode"},
+		{"SNSW after SNW on another node", holds(at("node-a", SNW, "rw")), at("node-b", SNSW, "rw"), FP, false, []string{`"node-a@zone-a"`}, "HeldByOtherNode"},
 
 		// MULTI_NODE_READER_ONLY: any number of readers.
 		{"MNRO fourth reader", holds(at("node-a", MNRO, "ro"), at("node-b", MNRO, "ro"), at("node-c", MNRO, "ro")), at("node-d", MNRO, "ro"), OK, false, nil, ""},
-		{"MNRO writer among readers", holds(at("node-a", MNRO, "ro")), at("node-b", MNRO, "rw"), FP, false, []string{`"node-a"`}, "WriterLimit"},
+		{"MNRO writer among readers", holds(at("node-a", MNRO, "ro")), at("node-b", MNRO, "rw"), FP, false, []string{`"node-a@zone-a"`}, "WriterLimit"},
 
 		// MULTI_NODE_SINGLE_WRITER: many readers, at most one writer.
 		{"MNSW reader after writer", holds(at("node-a", MNSW, "rw")), at("node-b", MNSW, "ro"), OK, false, nil, ""},
 		{"MNSW readers after writer", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "ro"), at("node-c", MNSW, "ro")), at("node-d", MNSW, "ro"), OK, false, nil, ""},
 		{"MNSW writer after readers", holds(at("node-b", MNSW, "ro"), at("node-c", MNSW, "ro")), at("node-a", MNSW, "rw"), OK, false, nil, ""},
-		{"MNSW second writer", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "ro")), at("node-c", MNSW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_SINGLE_WRITER", "read-only"}, "WriterLimit"},
-		{"MNSW second writer, writer listed last", holds(at("node-b", MNSW, "ro"), at("node-c", MNSW, "ro"), at("node-a", MNSW, "rw")), at("node-d", MNSW, "rw"), FP, false, []string{`"node-a"`}, "WriterLimit"},
+		{"MNSW second writer", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "ro")), at("node-c", MNSW, "rw"), FP, false, []string{`"node-a@zone-a"`, "MULTI_NODE_SINGLE_WRITER", "read-only"}, "WriterLimit"},
+		{"MNSW second writer, writer listed last", holds(at("node-b", MNSW, "ro"), at("node-c", MNSW, "ro"), at("node-a", MNSW, "rw")), at("node-d", MNSW, "rw"), FP, false, []string{`"node-a@zone-a"`}, "WriterLimit"},
 
 		// MULTI_NODE_MULTI_WRITER: anything.
 		{"MNMW fourth writer", holds(at("node-a", MNMW, "rw"), at("node-b", MNMW, "rw"), at("node-c", MNMW, "ro")), at("node-d", MNMW, "rw"), OK, false, nil, ""},
@@ -61,31 +130,31 @@ func TestCheckAttach(t *testing.T) {
 		{"same single-node holder again", holds(at("node-a", SNSW, "rw")), at("node-a", SNSW, "rw"), OK, true, nil, ""},
 		// A node is its key: the same node under a new address (or zone,
 		// or limit) is the same holder, not a second node.
-		{"same node under a new address", holds(at("node-a@zone-a@10.0.0.1", SNSW, "rw")), at("node-a@zone-a@10.0.0.2", SNSW, "rw"), OK, true, nil, ""},
-		{"same node new address other args", holds(at("node-a@zone-a@10.0.0.1", SNSW, "rw")), at("node-a@zone-a@10.0.0.2", SNSW, "ro"), codes.AlreadyExists, false, []string{`"node-a@zone-a@10.0.0.1"`}, "PublishedWithOtherArguments"},
-		{"other node same address", holds(at("node-a@zone-a@10.0.0.1", SNW, "rw")), at("node-b@zone-a@10.0.0.1", SNW, "rw"), FP, false, []string{`"node-a@zone-a@10.0.0.1"`, `"node-b@zone-a@10.0.0.1"`}, "HeldByOtherNode"},
-		{"same node other mode", holds(at("node-a", SNSW, "rw")), at("node-a", SNMW, "rw"), AE, false, []string{`"node-a"`}, "PublishedWithOtherArguments"},
-		{"same node other readonly", holds(at("node-a", MNMW, "rw")), at("node-a", MNMW, "ro"), AE, false, []string{`"node-a"`}, "PublishedWithOtherArguments"},
-		{"same node other fingerprint", holds(at("node-a", SNW, "rw")), Attachment{NodeID: "node-a", Mode: SNW, Fingerprint: "block"}, AE, false, []string{`"node-a"`}, "PublishedWithOtherArguments"},
+		{"same node under a new address", holds(atID("node-a@zone-a@10.0.0.1", SNSW, "rw")), atID("node-a@zone-a@10.0.0.2", SNSW, "rw"), OK, true, nil, ""},
+		{"same node new address other args", holds(atID("node-a@zone-a@10.0.0.1", SNSW, "rw")), atID("node-a@zone-a@10.0.0.2", SNSW, "ro"), codes.AlreadyExists, false, []string{`"node-a@zone-a@10.0.0.1"`}, "PublishedWithOtherArguments"},
+		{"other node same address", holds(atID("node-a@zone-a@10.0.0.1", SNW, "rw")), atID("node-b@zone-a@10.0.0.1", SNW, "rw"), FP, false, []string{`"node-a@zone-a@10.0.0.1"`, `"node-b@zone-a@10.0.0.1"`}, "HeldByOtherNode"},
+		{"same node other mode", holds(at("node-a", SNSW, "rw")), at("node-a", SNMW, "rw"), AE, false, []string{`"node-a@zone-a"`}, "PublishedWithOtherArguments"},
+		{"same node other readonly", holds(at("node-a", MNMW, "rw")), at("node-a", MNMW, "ro"), AE, false, []string{`"node-a@zone-a"`}, "PublishedWithOtherArguments"},
+		{"same node other fingerprint", holds(at("node-a", SNW, "rw")), Attachment{Node: node("node-a"), Mode: SNW, Fingerprint: "block"}, AE, false, []string{`"node-a@zone-a"`}, "PublishedWithOtherArguments"},
 		// The same node is judged before the other nodes: its repeat is
 		// fine even if, as a new request, it would be refused.
 		{"same node repeat among conflicts", holds(at("node-a", MNSW, "rw"), at("node-b", MNSW, "rw")), at("node-b", MNSW, "rw"), OK, true, nil, ""},
 
 		// Mixing modes across nodes.
-		{"multi-node request after single-node holder", holds(at("node-a", SNW, "rw")), at("node-b", MNMW, "rw"), FP, false, []string{`"node-a"`, "SINGLE_NODE_WRITER"}, "HeldByOtherNode"},
-		{"multi-node reader after single-node reader", holds(at("node-a", SNRO, "ro")), at("node-b", MNRO, "ro"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
-		{"single-node request after multi-node holder", holds(at("node-a", MNMW, "rw")), at("node-b", SNMW, "rw"), FP, false, []string{`"node-a"`}, "HeldByOtherNode"},
-		{"MNMW writer while MNRO reader holds it", holds(at("node-a", MNRO, "ro")), at("node-b", MNMW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_READER_ONLY"}, "WriterLimit"},
-		{"MNSW writer while MNRO reader holds it", holds(at("node-a", MNRO, "ro")), at("node-b", MNSW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_READER_ONLY"}, "WriterLimit"},
+		{"multi-node request after single-node holder", holds(at("node-a", SNW, "rw")), at("node-b", MNMW, "rw"), FP, false, []string{`"node-a@zone-a"`, "SINGLE_NODE_WRITER"}, "HeldByOtherNode"},
+		{"multi-node reader after single-node reader", holds(at("node-a", SNRO, "ro")), at("node-b", MNRO, "ro"), FP, false, []string{`"node-a@zone-a"`}, "HeldByOtherNode"},
+		{"single-node request after multi-node holder", holds(at("node-a", MNMW, "rw")), at("node-b", SNMW, "rw"), FP, false, []string{`"node-a@zone-a"`}, "HeldByOtherNode"},
+		{"MNMW writer while MNRO reader holds it", holds(at("node-a", MNRO, "ro")), at("node-b", MNMW, "rw"), FP, false, []string{`"node-a@zone-a"`, "MULTI_NODE_READER_ONLY"}, "WriterLimit"},
+		{"MNSW writer while MNRO reader holds it", holds(at("node-a", MNRO, "ro")), at("node-b", MNSW, "rw"), FP, false, []string{`"node-a@zone-a"`, "MULTI_NODE_READER_ONLY"}, "WriterLimit"},
 		{"MNMW reader while MNRO reader holds it", holds(at("node-a", MNRO, "ro")), at("node-b", MNMW, "ro"), OK, false, nil, ""},
-		{"MNMW second writer while MNSW writer holds it", holds(at("node-a", MNSW, "rw")), at("node-b", MNMW, "rw"), FP, false, []string{`"node-a"`, "MULTI_NODE_SINGLE_WRITER"}, "WriterLimit"},
-		{"MNRO reader while a writer holds it", holds(at("node-a", MNMW, "rw")), at("node-b", MNRO, "ro"), FP, false, []string{`"node-a"`, "MULTI_NODE_READER_ONLY"}, "WriterLimit"},
+		{"MNMW second writer while MNSW writer holds it", holds(at("node-a", MNSW, "rw")), at("node-b", MNMW, "rw"), FP, false, []string{`"node-a@zone-a"`, "MULTI_NODE_SINGLE_WRITER"}, "WriterLimit"},
+		{"MNRO reader while a writer holds it", holds(at("node-a", MNMW, "rw")), at("node-b", MNRO, "ro"), FP, false, []string{`"node-a@zone-a"`, "MULTI_NODE_READER_ONLY"}, "WriterLimit"},
 		{"MNSW reader while two writers hold it", holds(at("node-a", MNMW, "rw"), at("node-b", MNMW, "rw")), at("node-c", MNSW, "ro"), FP, false, []string{"MULTI_NODE_SINGLE_WRITER"}, "WriterLimit"},
-		{"writer blocked by a reader-only holder listed after a writer", holds(at("node-a", MNMW, "ro"), at("node-b", MNRO, "ro")), at("node-c", MNMW, "rw"), FP, false, []string{`"node-b"`, "MULTI_NODE_READER_ONLY"}, "WriterLimit"},
+		{"writer blocked by a reader-only holder listed after a writer", holds(at("node-a", MNMW, "ro"), at("node-b", MNRO, "ro")), at("node-c", MNMW, "rw"), FP, false, []string{`"node-b@zone-a"`, "MULTI_NODE_READER_ONLY"}, "WriterLimit"},
 
 		// Not a mode at all.
-		{"invalid mode", nil, Attachment{NodeID: "node-a", Mode: Mode(0)}, INV, false, nil, "InvalidMode"},
-		{"invalid mode among holders", holds(at("node-a", MNMW, "rw")), Attachment{NodeID: "node-b", Mode: Mode(42)}, INV, false, nil, "InvalidMode"},
+		{"invalid mode", nil, Attachment{Node: node("node-a"), Mode: Mode(0)}, INV, false, nil, "InvalidMode"},
+		{"invalid mode among holders", holds(at("node-a", MNMW, "rw")), Attachment{Node: node("node-b"), Mode: Mode(42)}, INV, false, nil, "InvalidMode"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -168,7 +237,7 @@ func TestCheckAttachOrderDoesNotMatter(t *testing.T) {
 	}
 	for _, x := range all {
 		for _, y := range all {
-			x.NodeID, y.NodeID = "node-x", "node-y"
+			x.Node, y.Node = node("node-x"), node("node-y")
 			xy := CheckAttach(holds(x), y)
 			yx := CheckAttach(holds(y), x)
 			if xy.Allowed() != yx.Allowed() {
@@ -202,13 +271,13 @@ func TestCheckAttachThreeNodesOrderDoesNotMatter(t *testing.T) {
 	for _, a := range all {
 		for _, b := range all {
 			for _, c := range all {
-				a.NodeID, b.NodeID, c.NodeID = "node-a", "node-b", "node-c"
+				a.Node, b.Node, c.Node = node("node-a"), node("node-b"), node("node-c")
 				orders := [][]Attachment{{a, b, c}, {a, c, b}, {b, a, c}, {b, c, a}, {c, a, b}, {c, b, a}}
 				first := build(orders[0])
 				for _, o := range orders[1:] {
 					if build(o) != first {
 						t.Errorf("%s, %s, %s: order %s,%s,%s gives %t, the first order %t",
-							describe(a), describe(b), describe(c), o[0].NodeID, o[1].NodeID, o[2].NodeID, build(o), first)
+							describe(a), describe(b), describe(c), o[0].Node.Name, o[1].Node.Name, o[2].Node.Name, build(o), first)
 					}
 				}
 			}
@@ -249,7 +318,7 @@ func describe(a Attachment) string {
 	if a.ReadOnly {
 		rw = "ro"
 	}
-	return a.NodeID + ":" + Name(a.Mode) + ":" + rw
+	return a.Node.Name + ":" + Name(a.Mode) + ":" + rw
 }
 
 // fenced marks an attachment fenced.
@@ -300,14 +369,14 @@ func TestSoleWriterLeft(t *testing.T) {
 			holds(at("w", MultiNodeSingleWriter, "rw"), at("r", MultiNodeSingleWriter, "ro")), false},
 		{"MNSW writer now read-only", holds(at("w", MultiNodeSingleWriter, "rw")),
 			holds(at("w", MultiNodeSingleWriter, "ro")), true},
-		{"the writer's node under a new address is the same writer", holds(at("w@10.0.0.1", MultiNodeSingleWriter, "rw")),
-			holds(at("w@10.0.0.2", MultiNodeSingleWriter, "rw")), false},
+		{"the writer's node under a new address is the same writer", holds(atID("w@zone-a@10.0.0.1", MultiNodeSingleWriter, "rw")),
+			holds(atID("w@zone-a@10.0.0.2", MultiNodeSingleWriter, "rw")), false},
 		{"RWX writer leaves, another stays", holds(at("a", MultiNodeMultiWriter, "rw"), at("b", MultiNodeMultiWriter, "rw")),
 			holds(at("b", MultiNodeMultiWriter, "rw")), false},
 		{"last RWX writer leaves", holds(at("a", MultiNodeMultiWriter, "rw")), nil, false},
 		{"first publish", nil, holds(at("a", SingleNodeWriter, "rw")), false},
 		{"nothing changes", holds(at("a", SingleNodeWriter, "rw")), holds(at("a", SingleNodeWriter, "rw")), false},
-		{"unknown mode", holds(Attachment{NodeID: "a", Mode: Mode(99)}), nil, false},
+		{"unknown mode", holds(Attachment{Node: node("a"), Mode: Mode(99)}), nil, false},
 		{"RWO writer fenced", holds(at("a", SingleNodeWriter, "rw")), holds(fenced(at("a", SingleNodeWriter, "rw"))), true},
 		{"fenced RWO writer unpublished", holds(fenced(at("a", SingleNodeWriter, "rw"))), nil, false},
 		{"fenced RWO writer unfenced", holds(fenced(at("a", SingleNodeWriter, "rw"))), holds(at("a", SingleNodeWriter, "rw")), false},

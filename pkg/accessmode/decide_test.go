@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"google.golang.org/grpc/codes"
+
+	"github.com/modeguard/modeguard/pkg/nodeid"
 )
 
 // The transports a volume reaches a node by, and what each asks of it.
@@ -39,8 +41,8 @@ func firstAttach(tr transport, m Mode) AttachFacts {
 		VolumeID: volumeB, Backend: BackendBlock, VolumeZone: "zone-a",
 		VolumeAccessType: Block, VolumeModes: []Mode{m},
 		AccessType: Block, Mode: m,
-		NodeID: nodeB, NodeName: "node-b", NodeZone: "zone-a", NodeAddress: "10.0.0.2",
-		NodeMaxVolumes: 8, NodeInitiator: "iqn.2026-11.io.example:node-b",
+		Node: nodeid.Node{Name: "node-b", Zone: "zone-a", Address: "10.0.0.2",
+			MaxVolumes: 8, Initiator: "iqn.2026-11.io.example:node-b"},
 	}
 	switch tr {
 	case overISCSI:
@@ -60,7 +62,7 @@ func underFence(f AttachFacts, s fenceState) AttachFacts {
 		f.FencedBy = []netip.Prefix{netip.MustParsePrefix("10.0.0.0/24")}
 		f.FencesInForce = []string{"10.0.0.0/24"}
 	case otherFenced:
-		f.Attachments = []Attachment{{NodeID: "node-a@zone-a@10.0.1.1", Mode: f.Mode, ReadOnly: IsReadOnly(f.Mode),
+		f.Attachments = []Attachment{{Node: nodeid.MustParse("node-a@zone-a@10.0.1.1"), Mode: f.Mode, ReadOnly: IsReadOnly(f.Mode),
 			Fingerprint: string(f.AccessType) + "/", Fenced: true}}
 		f.FencesInForce = []string{"10.0.1.1/32"}
 	}
@@ -122,7 +124,7 @@ func TestDecideAttachMatrix(t *testing.T) {
 					if !d.Allowed() {
 						return
 					}
-					want := Attachment{NodeID: nodeB, Mode: tt.mode, ReadOnly: IsReadOnly(tt.mode), Fingerprint: string(f.AccessType) + "/"}
+					want := Attachment{Node: nodeid.MustParse(nodeB), Mode: tt.mode, ReadOnly: IsReadOnly(tt.mode), Fingerprint: string(f.AccessType) + "/"}
 					if d.Attachment != want {
 						t.Errorf("attachment to record = %+v, want %+v", d.Attachment, want)
 					}
@@ -169,9 +171,9 @@ func TestDecideAttach(t *testing.T) {
 	snw := firstAttach(loop, SNW)
 	tests := []row{
 		// Zones.
-		{"node in another zone", with(snw, func(f *AttachFacts) { f.NodeZone, f.NodeID = "zone-b", "node-b@zone-b" }),
+		{"node in another zone", with(snw, func(f *AttachFacts) { f.Node.Zone = "zone-b" }),
 			FP, ReasonOtherZone, false, false, false, []string{"zone-a", "zone-b", volumeB}},
-		{"an NFS volume is in every zone", with(firstAttach(nfs, SNW), func(f *AttachFacts) { f.NodeZone = "zone-b" }),
+		{"an NFS volume is in every zone", with(firstAttach(nfs, SNW), func(f *AttachFacts) { f.Node.Zone = "zone-b" }),
 			OK, "", false, true, false, nil},
 		{"node claims another zone than it holds volumes in", with(snw, func(f *AttachFacts) {
 			f.NodeHeld, f.NodeVolumes = []HeldVolume{{VolumeID: "zone-a/block/pv-0", NodeZone: "zone-b"}}, 1
@@ -181,15 +183,15 @@ func TestDecideAttach(t *testing.T) {
 		}), OK, "", false, true, false, nil},
 
 		// What each transport needs of the node.
-		{"NFS node without an address", with(firstAttach(nfs, MNMW), func(f *AttachFacts) { f.NodeAddress = "" }),
+		{"NFS node without an address", with(firstAttach(nfs, MNMW), func(f *AttachFacts) { f.Node.Address = "" }),
 			FP, "", false, false, false, []string{"--node-address"}},
-		{"loop node without an address or an initiator", with(snw, func(f *AttachFacts) { f.NodeAddress, f.NodeInitiator = "", "" }),
+		{"loop node without an address or an initiator", with(snw, func(f *AttachFacts) { f.Node.Address, f.Node.Initiator = "", "" }),
 			OK, "", false, true, false, nil},
-		{"iSCSI node without an initiator", with(firstAttach(overISCSI, SNW), func(f *AttachFacts) { f.NodeInitiator = "" }),
+		{"iSCSI node without an initiator", with(firstAttach(overISCSI, SNW), func(f *AttachFacts) { f.Node.Initiator = "" }),
 			FP, "", false, true, false, []string{"node-b", "--iscsi-initiator-name-file"}},
 		{"iSCSI node without an initiator repeats its attachment", with(firstAttach(overISCSI, SNW), func(f *AttachFacts) {
-			f.NodeInitiator = ""
-			*f = holding(*f, Attachment{NodeID: nodeB, Mode: SNW, Fingerprint: "block/"})
+			f.Node.Initiator = ""
+			*f = holding(*f, Attachment{Node: nodeid.MustParse(nodeB), Mode: SNW, Fingerprint: "block/"})
 		}), OK, "", true, true, false, nil},
 
 		// The volume's own access type, filesystem and modes.
@@ -213,48 +215,48 @@ func TestDecideAttach(t *testing.T) {
 			f.FencedBy, f.FencesInForce = []netip.Prefix{netip.MustParsePrefix("10.9.0.0/16")}, []string{"10.9.0.0/16"}
 		}), FP, ReasonFenced, false, false, false, []string{"an address it had when the fence caught it"}},
 		{"node without an address while fences are in force", with(snw, func(f *AttachFacts) {
-			f.NodeAddress, f.FencesInForce = "", []string{"10.9.0.0/16"}
+			f.Node.Address, f.FencesInForce = "", []string{"10.9.0.0/16"}
 		}), FP, ReasonFenced, false, false, false, []string{"10.9.0.0/16", "--node-address"}},
 		{"a fenced holder of a multi-writer volume leaves room", underFence(firstAttach(loop, MNMW), otherFenced),
 			OK, "", false, true, false, nil},
 
 		// The node's volume limit counts new attachments only.
-		{"node at its limit", with(snw, func(f *AttachFacts) { f.NodeMaxVolumes, f.NodeVolumes = 2, 2 }),
+		{"node at its limit", with(snw, func(f *AttachFacts) { f.Node.MaxVolumes, f.NodeVolumes = 2, 2 }),
 			codes.ResourceExhausted, ReasonAttachLimit, false, true, false, []string{"node-b", "2 volumes"}},
-		{"node at its limit repeats an attachment", with(holding(snw, Attachment{NodeID: nodeB, Mode: SNW, Fingerprint: "block/"}),
-			func(f *AttachFacts) { f.NodeMaxVolumes, f.NodeVolumes = 2, 2 }), OK, "", true, true, false, nil},
-		{"node one below its limit", with(snw, func(f *AttachFacts) { f.NodeMaxVolumes, f.NodeVolumes = 2, 1 }),
+		{"node at its limit repeats an attachment", with(holding(snw, Attachment{Node: nodeid.MustParse(nodeB), Mode: SNW, Fingerprint: "block/"}),
+			func(f *AttachFacts) { f.Node.MaxVolumes, f.NodeVolumes = 2, 2 }), OK, "", true, true, false, nil},
+		{"node one below its limit", with(snw, func(f *AttachFacts) { f.Node.MaxVolumes, f.NodeVolumes = 2, 1 }),
 			OK, "", false, true, false, nil},
-		{"node without a limit", with(snw, func(f *AttachFacts) { f.NodeMaxVolumes, f.NodeVolumes = 0, 5000 }),
+		{"node without a limit", with(snw, func(f *AttachFacts) { f.Node.MaxVolumes, f.NodeVolumes = 0, 5000 }),
 			OK, "", false, true, false, nil},
 
 		// The same node again.
-		{"same node, same arguments", holding(mountExt4(SNW), Attachment{NodeID: nodeB, Mode: SNW, Fingerprint: "mount/ext4"}),
+		{"same node, same arguments", holding(mountExt4(SNW), Attachment{Node: nodeid.MustParse(nodeB), Mode: SNW, Fingerprint: "mount/ext4"}),
 			OK, "", true, true, false, nil},
 		{"same node, another fingerprint", holding(with(mountExt4(SNW), func(f *AttachFacts) { f.FsType = "" }),
-			Attachment{NodeID: nodeB, Mode: SNW, Fingerprint: "mount/ext4"}),
+			Attachment{Node: nodeid.MustParse(nodeB), Mode: SNW, Fingerprint: "mount/ext4"}),
 			AE, ReasonPublishedWithOtherArguments, false, true, false, []string{volumeB + ": ", `"` + nodeB + `"`}},
 		{"same node, another read-only flag", holding(with(firstAttach(loop, MNMW), func(f *AttachFacts) { f.ReadOnly = true }),
-			Attachment{NodeID: nodeB, Mode: MNMW, Fingerprint: "block/"}),
+			Attachment{Node: nodeid.MustParse(nodeB), Mode: MNMW, Fingerprint: "block/"}),
 			AE, ReasonPublishedWithOtherArguments, false, true, false, nil},
-		{"same node under an older address repeats", holding(snw, Attachment{NodeID: "node-b@zone-a@10.0.0.1", Mode: SNW, Fingerprint: "block/"}),
+		{"same node under an older address repeats", holding(snw, Attachment{Node: nodeid.MustParse("node-b@zone-a@10.0.0.1"), Mode: SNW, Fingerprint: "block/"}),
 			OK, "", true, true, false, nil},
 		// Its attachment is judged as it is once it followed the node's id.
 		{"same node under an older address, other arguments", holding(with(snw, func(f *AttachFacts) { f.ReadOnly = true }),
-			Attachment{NodeID: "node-b@zone-a@10.0.0.1", Mode: SNW, Fingerprint: "block/"}),
+			Attachment{Node: nodeid.MustParse("node-b@zone-a@10.0.0.1"), Mode: SNW, Fingerprint: "block/"}),
 			AE, ReasonPublishedWithOtherArguments, false, true, false, []string{`"` + nodeB + `"`}},
 
 		// Other holders, and read-only.
-		{"a single-node volume held by another node", holding(snw, Attachment{NodeID: "node-a@zone-a", Mode: SNW, Fingerprint: "block/"}),
+		{"a single-node volume held by another node", holding(snw, Attachment{Node: nodeid.MustParse("node-a@zone-a"), Mode: SNW, Fingerprint: "block/"}),
 			FP, ReasonHeldByOtherNode, false, true, false, []string{`"node-a@zone-a"`}},
 		{"a second writer of a single-writer volume", holding(with(firstAttach(loop, MNSW), func(f *AttachFacts) {}),
-			Attachment{NodeID: "node-a@zone-a", Mode: MNSW, Fingerprint: "block/"}, Attachment{NodeID: "node-c@zone-a", Mode: MNSW, ReadOnly: true, Fingerprint: "block/"}),
+			Attachment{Node: nodeid.MustParse("node-a@zone-a"), Mode: MNSW, Fingerprint: "block/"}, Attachment{Node: nodeid.MustParse("node-c@zone-a"), Mode: MNSW, ReadOnly: true, Fingerprint: "block/"}),
 			FP, ReasonWriterLimit, false, true, false, []string{`"node-a@zone-a"`, "read-only"}},
 		{"a reader joins the writer of a single-writer volume", holding(with(firstAttach(loop, MNSW), func(f *AttachFacts) { f.ReadOnly = true }),
-			Attachment{NodeID: "node-a@zone-a", Mode: MNSW, Fingerprint: "block/"}),
+			Attachment{Node: nodeid.MustParse("node-a@zone-a"), Mode: MNSW, Fingerprint: "block/"}),
 			OK, "", false, true, true, nil},
 		{"a writer joins readers that allow none", holding(with(firstAttach(loop, MNMW), func(f *AttachFacts) { f.VolumeModes = []Mode{MNRO, MNMW} }),
-			Attachment{NodeID: "node-a@zone-a", Mode: MNRO, ReadOnly: true, Fingerprint: "block/"}),
+			Attachment{Node: nodeid.MustParse("node-a@zone-a"), Mode: MNRO, ReadOnly: true, Fingerprint: "block/"}),
 			FP, ReasonWriterLimit, false, true, false, []string{`"node-a@zone-a"`, "MULTI_NODE_READER_ONLY"}},
 		{"a reader-only mode asked read/write is read-only", firstAttach(loop, MNRO),
 			OK, "", false, true, true, nil},
@@ -287,7 +289,7 @@ func TestDecideAttach(t *testing.T) {
 			if !slices.Equal(tt.facts.Attachments, before) {
 				t.Errorf("the facts' attachments changed: %+v, were %+v", tt.facts.Attachments, before)
 			}
-			want := Attachment{NodeID: tt.facts.NodeID, Mode: tt.facts.Mode, ReadOnly: tt.ro,
+			want := Attachment{Node: tt.facts.Node, Mode: tt.facts.Mode, ReadOnly: tt.ro,
 				Fingerprint: string(tt.facts.AccessType) + "/" + tt.facts.FsType}
 			if d.Allowed() && d.Attachment != want {
 				t.Errorf("attachment to record = %+v, want %+v", d.Attachment, want)

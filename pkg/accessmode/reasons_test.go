@@ -36,9 +36,9 @@ func TestReasonsAreBounded(t *testing.T) {
 	for _, x := range modes {
 		for _, y := range modes {
 			for _, ro := range []bool{false, true} {
-				held := Attachment{NodeID: "node-x", Mode: x}
-				check("attach, other node", CheckAttach([]Attachment{held}, Attachment{NodeID: "node-y", Mode: y, ReadOnly: ro}))
-				check("attach, same node", CheckAttach([]Attachment{held}, Attachment{NodeID: "node-x", Mode: y, ReadOnly: ro}))
+				held := Attachment{Node: node("node-x"), Mode: x}
+				check("attach, other node", CheckAttach([]Attachment{held}, Attachment{Node: node("node-y"), Mode: y, ReadOnly: ro}))
+				check("attach, same node", CheckAttach([]Attachment{held}, Attachment{Node: node("node-x"), Mode: y, ReadOnly: ro}))
 				h := Holder{TargetPath: "/t1", Mode: x, Fingerprint: "a"}
 				check("publish, other target", CheckPublish([]Holder{h}, Holder{TargetPath: "/t2", Mode: y, ReadOnly: ro, Fingerprint: "b"}))
 				check("publish, same target", CheckPublish([]Holder{h}, Holder{TargetPath: "/t1", Mode: y, ReadOnly: ro, Fingerprint: "b"}))

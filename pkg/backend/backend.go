@@ -15,6 +15,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/mounts"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -176,8 +177,10 @@ type Controller interface {
 
 // StageRequest asks a node backend to make a volume usable on this node.
 type StageRequest struct {
-	VolumeID    volumeid.ID
-	NodeID      string
+	VolumeID volumeid.ID
+	// Node is this node, as its id says: the key its attachment is found
+	// by, and the address it mounts NFS exports from.
+	Node        nodeid.Node
 	StagingPath string
 	AccessType  accessmode.AccessType
 	FsType      string
@@ -322,7 +325,7 @@ type Node interface {
 	Backend() accessmode.Backend
 	// Stage attaches and mounts the volume at req.StagingPath (mount) or
 	// attaches it and reports its device (block). It refuses with
-	// FailedPrecondition a volume that is not attached to req.NodeID.
+	// FailedPrecondition a volume that is not attached to req.Node.
 	Stage(ctx context.Context, req StageRequest) (*Staged, error)
 	// Unstage undoes Stage; a volume already unstaged is fine.
 	Unstage(ctx context.Context, staged *Staged) error

@@ -6,11 +6,11 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 )
 
-// NodeIndex maps each node key (accessmode.Attachment.Node) to the volumes
-// attached to it, so that what one node holds is found at a cost that
-// follows the node's count, not the number of volumes there are. A backend
-// keeps it next to its volume records and changes both under the same
-// lock; NodeIndex itself does no locking.
+// NodeIndex maps each node key (accessmode.Attachment.Node.Name) to the
+// volumes attached to it, so that what one node holds is found at a cost
+// that follows the node's count, not the number of volumes there are. A
+// backend keeps it next to its volume records and changes both under the
+// same lock; NodeIndex itself does no locking.
 type NodeIndex struct {
 	byNode map[string]map[string]struct{}
 }
@@ -20,10 +20,10 @@ type NodeIndex struct {
 // attachments, nil for a volume new to the index).
 func (x *NodeIndex) Set(id string, before, attachments []accessmode.Attachment) {
 	for _, a := range before {
-		if ids := x.byNode[a.Node()]; ids != nil {
+		if ids := x.byNode[a.Node.Name]; ids != nil {
 			delete(ids, id)
 			if len(ids) == 0 {
-				delete(x.byNode, a.Node())
+				delete(x.byNode, a.Node.Name)
 			}
 		}
 	}
@@ -31,10 +31,10 @@ func (x *NodeIndex) Set(id string, before, attachments []accessmode.Attachment) 
 		if x.byNode == nil {
 			x.byNode = map[string]map[string]struct{}{}
 		}
-		ids := x.byNode[a.Node()]
+		ids := x.byNode[a.Node.Name]
 		if ids == nil {
 			ids = map[string]struct{}{}
-			x.byNode[a.Node()] = ids
+			x.byNode[a.Node.Name] = ids
 		}
 		ids[id] = struct{}{}
 	}

@@ -774,7 +774,7 @@ func attachedNodes(vol *backend.Volume) string {
 		if a.ReadOnly {
 			rw = "ro"
 		}
-		out = append(out, fmt.Sprintf("%s (%s, %s)", a.NodeID, accessmode.Name(a.Mode), rw))
+		out = append(out, fmt.Sprintf("%s (%s, %s)", a.Node, accessmode.Name(a.Mode), rw))
 	}
 	return strings.Join(out, ", ")
 }
@@ -797,7 +797,8 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 	defer release()
 	node, err := nodeid.Parse(req.GetNodeId())
 	if err != nil {
-		return nil, status.Errorf(codes.NotFound, "node %q is not known to this driver: %v", req.GetNodeId(), err)
+		return nil, status.Errorf(codes.NotFound, "node %q is not known to this driver, whose node plugins report ids of the form %s: %v",
+			req.GetNodeId(), nodeid.Format, err)
 	}
 	unlockNode, err := s.d.nodes.lock(ctx, node.Name)
 	if err != nil {
@@ -822,8 +823,7 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 		VolumeID: vol.ID, Backend: id.Backend, ServedOverISCSI: overISCSI, VolumeZone: vol.Zone,
 		VolumeAccessType: vol.AccessType, VolumeFsType: vol.FsType, VolumeModes: vol.Modes, Attachments: vol.Attachments,
 		AccessType: accessType, FsType: fsType, Mode: mode, ReadOnly: req.GetReadonly(),
-		NodeID: node.String(), NodeName: node.Name, NodeZone: node.Zone, NodeAddress: node.Address,
-		NodeMaxVolumes: node.MaxVolumes, NodeInitiator: node.Initiator,
+		Node:        node,
 		NodeVolumes: len(held), NodeHeld: heldZones(node.Name, held),
 		FencedBy: fencedBy, FencesInForce: s.d.fenceBlocks(),
 	})
@@ -890,8 +890,15 @@ func (s *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *c
 		return &csi.ControllerUnpublishVolumeResponse{}, nil
 	}
 	// The node is matched by its key, so a node that came back under a
-	// new address can still let go of what it held under the old one.
-	key := nodeid.KeyOf(req.GetNodeId())
+	// new address can still let go of what it held under the old one,
+	// and one whose id this driver cannot parse (a node plugin of another
+	// version) of what it held under an id it could.
+	node, err := nodeid.Parse(req.GetNodeId())
+	parsed := err == nil
+	key := node.Name
+	if !parsed {
+		key = nodeid.KeyOf(req.GetNodeId())
+	}
 	unlockNode, err := s.d.nodes.lock(ctx, key)
 	if err != nil {
 		return nil, err
@@ -900,7 +907,7 @@ func (s *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *c
 	// The marks of those who stay follow the fence list, as on publish.
 	s.d.fenceGate.RLock()
 	defer s.d.fenceGate.RUnlock()
-	keep := slices.DeleteFunc(slices.Clone(vol.Attachments), func(a accessmode.Attachment) bool { return a.Node() == key })
+	keep := slices.DeleteFunc(slices.Clone(vol.Attachments), func(a accessmode.Attachment) bool { return a.Node.Name == key })
 	if len(keep) < len(vol.Attachments) {
 		keep, _, err := s.d.withFences(keep)
 		if err != nil {
@@ -913,8 +920,7 @@ func (s *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *c
 	}
 	// The id is the node's newest: what else it holds follows it, unless
 	// it claims another zone (which its publishes then refuse).
-	node, err := nodeid.Parse(req.GetNodeId())
-	if err != nil {
+	if !parsed {
 		return &csi.ControllerUnpublishVolumeResponse{}, nil
 	}
 	held, err := s.d.heldBy(ctx, key)
@@ -1018,7 +1024,7 @@ func validVolumeToken(t string) bool {
 func publishedNodes(vol *backend.Volume) []string {
 	out := make([]string, 0, len(vol.Attachments))
 	for _, a := range vol.Attachments {
-		out = append(out, a.NodeID)
+		out = append(out, a.Node.String())
 	}
 	return out
 }

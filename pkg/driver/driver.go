@@ -93,10 +93,11 @@ type Driver struct {
 	cfg   Config
 	locks *opLocks
 	nodes *nodeLocks
-	// nodeID is what NodeGetInfo reports: the node's name (its key when
-	// too long for a label value), zone, address and limit.
-	nodeID string
-	state  *nodestate.Store
+	// node is this node as NodeGetInfo reports it: its name (its key
+	// when too long for a label value), zone, address, limit and
+	// initiator name. The zero Node without the node role.
+	node  nodeid.Node
+	state *nodestate.Store
 
 	// controllersReady is set once cfg.Controllers is final; the store
 	// publishes the map to every call that loads true.
@@ -137,7 +138,7 @@ func New(cfg Config) (*Driver, error) {
 		if err := n.Validate(); err != nil {
 			return nil, fmt.Errorf("the node role needs --node-id and --zone: %w", err)
 		}
-		d.nodeID = n.String()
+		d.node = n
 		if cfg.StateDir == "" {
 			return nil, fmt.Errorf("the node role needs --state-dir")
 		}
@@ -273,7 +274,12 @@ func (d *Driver) refused(stage string, mode accessmode.Mode, reason string) {
 func (d *Driver) HasRole(r Role) bool { return slices.Contains(d.cfg.Roles, r) }
 
 // NodeID is the id this node plugin reports (empty without the node role).
-func (d *Driver) NodeID() string { return d.nodeID }
+func (d *Driver) NodeID() string {
+	if !d.HasRole(RoleNode) {
+		return ""
+	}
+	return d.node.String()
+}
 
 // Reconcile brings the node state in line with the kernel when the node
 // plugin starts: records of an earlier boot are forgotten (their mounts and

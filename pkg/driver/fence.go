@@ -59,10 +59,10 @@ func (d *Driver) recoverFences(ctrls map[accessmode.Backend]backend.Controller) 
 		}
 		for _, v := range vols {
 			for _, a := range v.Attachments {
-				n, err := nodeid.Parse(a.NodeID)
-				if !a.Fenced || err != nil {
+				if !a.Fenced {
 					continue
 				}
+				n := a.Node
 				if n.Address == "" {
 					return fmt.Errorf("the network fence list %s is missing, and node %s is fenced from volume %s under an id without an address, so its fence cannot be rebuilt: put the list back, or unpublish the volume from that node",
 						d.cfg.FenceFile, n.Name, v.ID)
@@ -135,24 +135,19 @@ func (d *Driver) fenceBlocks() []string {
 
 // withFences returns attachments with each one's fenced flag as the fence
 // list has it now, and the nodes among them that report no address while
-// fences are in force. An attachment whose node id does not parse keeps
-// its flag.
+// fences are in force.
 func (d *Driver) withFences(attachments []accessmode.Attachment) ([]accessmode.Attachment, []string, error) {
 	out := slices.Clone(attachments)
 	anyFence := d.fences != nil && len(d.fences.Fences()) > 0
 	var undecided []string
 	for i, a := range out {
-		node, err := nodeid.Parse(a.NodeID)
-		if err != nil {
-			continue
-		}
-		by, err := d.fencedBy(node)
+		by, err := d.fencedBy(a.Node)
 		if err != nil {
 			return nil, nil, err
 		}
 		out[i].Fenced = len(by) > 0
-		if !out[i].Fenced && node.Address == "" && anyFence {
-			undecided = append(undecided, node.Name)
+		if !out[i].Fenced && a.Node.Address == "" && anyFence {
+			undecided = append(undecided, a.Node.Name)
 		}
 	}
 	return out, undecided, nil
@@ -254,7 +249,7 @@ func fencedNodes(atts []accessmode.Attachment) []string {
 	var out []string
 	for _, a := range atts {
 		if a.Fenced {
-			out = append(out, a.Node())
+			out = append(out, a.Node.Name)
 		}
 	}
 	return out
@@ -392,8 +387,8 @@ func (s *fenceServer) GetFenceClients(ctx context.Context, req *fence.GetFenceCl
 	addresses := map[string][]string{}
 	for _, v := range all {
 		for _, a := range v.Attachments {
-			n, err := nodeid.Parse(a.NodeID)
-			if err != nil || n.Address == "" {
+			n := a.Node
+			if n.Address == "" {
 				continue
 			}
 			block := netfence.Single(netip.MustParseAddr(n.Address)).String()

@@ -180,7 +180,7 @@ func writers(vol *backend.Volume) []string {
 	var out []string
 	for _, a := range vol.Attachments {
 		if !a.ReadOnly {
-			out = append(out, a.Node())
+			out = append(out, a.Node.Name)
 		}
 	}
 	return out

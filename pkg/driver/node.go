@@ -52,7 +52,7 @@ func (s *nodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabiliti
 
 func (s *nodeServer) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
 	return &csi.NodeGetInfoResponse{
-		NodeId:            s.d.nodeID,
+		NodeId:            s.d.node.String(),
 		MaxVolumesPerNode: s.d.cfg.MaxVolumesPerNode,
 		// The zone alone: volumes live in a zone's pool, never on one
 		// node, so a node key would only split what a CO derives per
@@ -117,7 +117,7 @@ func (d *Driver) lockRecord(id volumeid.ID) (func(), *nodestate.Record, error) {
 		release()
 		return nil, nil, status.Error(codes.Internal, err.Error())
 	}
-	rec.NodeID = d.nodeID
+	rec.NodeID = d.node.String()
 	return release, rec, nil
 }
 
@@ -281,7 +281,7 @@ func (s *nodeServer) stage(ctx context.Context, id volumeid.ID, nb backend.Node,
 		return status.Errorf(codes.Internal, "recording the stage of %s as begun: %v", id, err)
 	}
 	staged, err := nb.Stage(ctx, backend.StageRequest{
-		VolumeID: id, NodeID: s.d.nodeID, StagingPath: args.path,
+		VolumeID: id, Node: s.d.node, StagingPath: args.path,
 		AccessType: args.accessType, FsType: args.fsType, MountFlags: args.flags, Mode: args.mode, ReadOnly: args.readOnly,
 		AttachedReadOnly: publishedReadOnly(req.GetPublishContext()), CapacityBytes: publishedCapacity(req.GetPublishContext()),
 		PublishContext: req.GetPublishContext(), VolumeContext: req.GetVolumeContext(),

@@ -90,14 +90,10 @@ func heldZones(key string, held []*backend.Volume) []accessmode.HeldVolume {
 	var out []accessmode.HeldVolume
 	for _, v := range held {
 		for _, a := range v.Attachments {
-			if a.Node() != key {
+			if a.Node.Name != key {
 				continue
 			}
-			zone := ""
-			if old, err := nodeid.Parse(a.NodeID); err == nil {
-				zone = old.Zone
-			}
-			out = append(out, accessmode.HeldVolume{VolumeID: v.ID, NodeZone: zone})
+			out = append(out, accessmode.HeldVolume{VolumeID: v.ID, NodeZone: a.Node.Zone})
 		}
 	}
 	return out
@@ -121,7 +117,7 @@ func (d *Driver) followNode(ctx context.Context, node nodeid.Node, held []*backe
 	var after *backend.Volume
 	for _, v := range held {
 		stale := slices.ContainsFunc(v.Attachments, func(a accessmode.Attachment) bool {
-			return a.Node() == node.Name && a.NodeID != id
+			return a.Node.Name == node.Name && a.Node != node
 		})
 		if !stale {
 			if v.ID == current {
@@ -151,9 +147,9 @@ func (d *Driver) followNode(ctx context.Context, node nodeid.Node, held []*backe
 		atts := slices.Clone(v.Attachments)
 		var from []string
 		for i, a := range atts {
-			if a.Node() == node.Name && a.NodeID != id {
-				from = append(from, a.NodeID)
-				atts[i].NodeID = id
+			if a.Node.Name == node.Name && a.Node != node {
+				from = append(from, a.Node.String())
+				atts[i].Node = node
 				atts[i].Fenced = a.Fenced || len(fenced) > 0
 			}
 		}
@@ -206,9 +202,7 @@ func (d *Driver) nodeZonesFor(ctx context.Context, req *csi.TopologyRequirement)
 	zones := map[string]string{}
 	for _, v := range all {
 		for _, a := range v.Attachments {
-			if n, err := nodeid.Parse(a.NodeID); err == nil {
-				zones[n.Name] = n.Zone
-			}
+			zones[a.Node.Name] = a.Node.Zone
 		}
 	}
 	return zones, nil

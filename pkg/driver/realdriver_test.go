@@ -23,6 +23,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/localcluster"
 	"github.com/modeguard/modeguard/pkg/metrics"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/nodestate"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
@@ -189,6 +190,9 @@ func TestControllerPublishNodeChecks(t *testing.T) {
 				VolumeId: volID, NodeId: node, VolumeCapability: c,
 			})
 			wantCode(t, fmt.Sprintf("node id %.40q", node), err, codes.NotFound)
+			if m := status.Convert(err).Message(); !strings.Contains(m, nodeid.Format) {
+				t.Errorf("node id %.40q: message %.200q does not say what a node id reads", node, m)
+			}
 		}
 	})
 

@@ -21,6 +21,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/fsutil"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/nodestate"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
@@ -36,9 +37,9 @@ type Options struct {
 
 // Attachment is one node a volume is attached to.
 type Attachment struct {
-	Node     string `json:"node"`
-	Mode     string `json:"mode"`
-	ReadOnly bool   `json:"readOnly"`
+	Node     nodeid.Node `json:"node"`
+	Mode     string      `json:"mode"`
+	ReadOnly bool        `json:"readOnly"`
 	// Fenced: a network fence cuts the node off the volume's storage.
 	Fenced bool `json:"fenced,omitempty"`
 }
@@ -211,7 +212,7 @@ func fromRecord(rec *backend.Volume, exportDir string) *Volume {
 		v.Modes = append(v.Modes, accessmode.Name(m))
 	}
 	for _, a := range rec.Attachments {
-		v.Attachments = append(v.Attachments, Attachment{Node: a.NodeID, Mode: accessmode.Name(a.Mode), ReadOnly: a.ReadOnly, Fenced: a.Fenced})
+		v.Attachments = append(v.Attachments, Attachment{Node: a.Node, Mode: accessmode.Name(a.Mode), ReadOnly: a.ReadOnly, Fenced: a.Fenced})
 	}
 	return v
 }
@@ -272,12 +273,14 @@ func verdicts(v *Volume) []string {
 	var atts []accessmode.Attachment
 	for _, a := range v.Attachments {
 		m, _ := accessmode.Parse(a.Mode)
-		atts = append(atts, accessmode.Attachment{NodeID: a.Node, Mode: m, ReadOnly: a.ReadOnly})
+		atts = append(atts, accessmode.Attachment{Node: a.Node, Mode: m, ReadOnly: a.ReadOnly})
 	}
 	if len(v.Modes) > 0 && len(atts) > 0 {
 		m, _ := accessmode.Parse(v.Modes[0])
-		rw := accessmode.CheckAttach(atts, accessmode.Attachment{NodeID: "another node", Mode: m})
-		ro := accessmode.CheckAttach(atts, accessmode.Attachment{NodeID: "another node", Mode: m, ReadOnly: true})
+		// No node's key holds a blank: this is none of the attached.
+		another := nodeid.Node{Name: "another node", Zone: atts[0].Node.Zone}
+		rw := accessmode.CheckAttach(atts, accessmode.Attachment{Node: another, Mode: m})
+		ro := accessmode.CheckAttach(atts, accessmode.Attachment{Node: another, Mode: m, ReadOnly: true})
 		switch {
 		case rw.Allowed():
 			out = append(out, "another node may attach it read/write")

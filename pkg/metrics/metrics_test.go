@@ -17,6 +17,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/nodestate"
 )
 
@@ -40,7 +41,7 @@ type fakeHolders []*nodestate.Record
 func (f fakeHolders) All() ([]*nodestate.Record, error) { return f, nil }
 
 func attached(modes ...accessmode.Mode) *backend.Volume {
-	return &backend.Volume{Modes: modes, Attachments: []accessmode.Attachment{{NodeID: "n@z"}}}
+	return &backend.Volume{Modes: modes, Attachments: []accessmode.Attachment{{Node: nodeid.MustParse("n@z")}}}
 }
 
 func available(modes ...accessmode.Mode) *backend.Volume { return &backend.Volume{Modes: modes} }
@@ -124,7 +125,7 @@ func TestStateIsReadAtScrapeTime(t *testing.T) {
 		name: accessmode.BackendNFS,
 		vols: []*backend.Volume{attached(accessmode.MultiNodeMultiWriter), available(accessmode.MultiNodeMultiWriter),
 			{Modes: []accessmode.Mode{accessmode.MultiNodeMultiWriter}, Attachments: []accessmode.Attachment{
-				{NodeID: "a@z", Fenced: true}, {NodeID: "b@z"}, {NodeID: "c@z", Fenced: true}}}},
+				{Node: nodeid.MustParse("a@z"), Fenced: true}, {Node: nodeid.MustParse("b@z")}, {Node: nodeid.MustParse("c@z"), Fenced: true}}}},
 		pools: []backend.PoolStats{{SizeBytes: 1000, FreeBytes: 900, CommittedBytes: 50}},
 	}
 	m.SetSources(Sources{

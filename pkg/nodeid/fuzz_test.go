@@ -21,8 +21,9 @@ func labelValue(s string) bool {
 	return alnum(s[0]) && alnum(s[len(s)-1])
 }
 
-// FuzzParse: whatever Parse accepts validates, renders back to exactly the
-// string it came from and parses again to the same Node; its name and zone
+// FuzzParse: whatever Parse accepts validates, renders (and marshals) back
+// to exactly the string it came from and parses again to the same Node;
+// UnmarshalText agrees with Parse; its name and zone
 // are label values, so they can carry no '@', path separator, NUL, space or
 // line break, and can never be "." or "..". Whatever it refuses yields the
 // zero Node.
@@ -58,11 +59,18 @@ func FuzzParse(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, s string) {
 		n, err := Parse(s)
+		var loaded Node
+		if uerr := loaded.UnmarshalText([]byte(s)); (uerr == nil) != (err == nil) || loaded != n {
+			t.Fatalf("UnmarshalText(%q) = %+v, %v; Parse says %+v, %v", s, loaded, uerr, n, err)
+		}
 		if err != nil {
 			if n != (Node{}) {
 				t.Fatalf("Parse(%q) failed (%v) but returned %+v", s, err, n)
 			}
 			return
+		}
+		if text, err := n.MarshalText(); err != nil || string(text) != s {
+			t.Fatalf("MarshalText of Parse(%q) = %q, %v", s, text, err)
 		}
 		if err := n.Validate(); err != nil {
 			t.Fatalf("Parse(%q) = %+v, which does not validate: %v", s, n, err)

@@ -1,5 +1,8 @@
 // Package nodeid renders and parses the node id a node plugin reports in
-// NodeGetInfo and a CO hands back in ControllerPublishVolume.
+// NodeGetInfo and a CO hands back in ControllerPublishVolume. The driver
+// parses an id where it arrives and carries the Node from there: in
+// attachments, whose records hold it as the id string (Node is a
+// text marshaler), and in calls to backends, which read its fields.
 //
 // The id carries what the controller must know about a node without asking
 // any CO for it: the node's key (its name, or a stable short form of a long
@@ -36,10 +39,12 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/modeguard/modeguard/pkg/accessmode"
-	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
-	"github.com/modeguard/modeguard/pkg/volumeid"
+	"github.com/modeguard/modeguard/pkg/iqn"
+	"github.com/modeguard/modeguard/pkg/label"
 )
+
+// Format is the form of a node id, for messages.
+const Format = "<key>@<zone>[@<address>[@<limit>[@<initiator>]]]"
 
 // MaxLength is the longest node id: what the CSI spec allows and what
 // Kubernetes' CSINode takes (since 1.28; 192 before).
@@ -70,7 +75,7 @@ type Node struct {
 
 // ValidKey reports whether k may stand for a node in an id (and in the
 // node's topology segment): a Kubernetes label value.
-func ValidKey(k string) bool { return volumeid.ValidZone(k) }
+func ValidKey(k string) bool { return label.ValidValue(k) }
 
 // ValidName reports whether n may name a node: a label value (as every id
 // this driver ever issued carries), or a DNS subdomain of up to 253
@@ -105,8 +110,13 @@ func Key(name string) string {
 
 // KeyOf returns the key part of a node id without parsing the rest, for
 // matching ids that may come from older or newer node plugins: everything
-// before the first '@' (a key holds none).
-func KeyOf(id string) string { return accessmode.NodeKey(id) }
+// before the first '@' (a key holds none). Nodes are told apart by their
+// key alone: zone, address, limit and initiator are attributes a node may
+// report differently after a restart.
+func KeyOf(id string) string {
+	k, _, _ := strings.Cut(id, "@")
+	return k
+}
 
 // String renders the node id.
 func (n Node) String() string {
@@ -131,7 +141,7 @@ func (n Node) Validate() error {
 	if !ValidKey(n.Name) {
 		return fmt.Errorf("node key %q is not valid (letters, digits, '-', '_', '.', at most 63, starting and ending with a letter or digit)", n.Name)
 	}
-	if !volumeid.ValidZone(n.Zone) {
+	if !label.ValidValue(n.Zone) {
 		return fmt.Errorf("zone %q is not valid (letters, digits, '-', '_', '.', at most 63, starting and ending with a letter or digit)", n.Zone)
 	}
 	if n.Address != "" {
@@ -143,8 +153,8 @@ func (n Node) Validate() error {
 	if n.MaxVolumes < 0 {
 		return fmt.Errorf("node volume limit %d is negative (0 is no limit)", n.MaxVolumes)
 	}
-	if n.Initiator != "" && !iscsi.ValidIQN(n.Initiator) {
-		return fmt.Errorf("iSCSI initiator name %q is not an IQN (iqn.YYYY-MM.reversed.domain[:unique], lower case)", n.Initiator)
+	if n.Initiator != "" && !iqn.Valid(n.Initiator) {
+		return fmt.Errorf("iSCSI initiator name %q is not an IQN (%s)", n.Initiator, iqn.Form)
 	}
 	if l := len(n.String()); l > MaxLength {
 		return fmt.Errorf("node id %q has %d bytes, more than the %d a CO takes: shorten the zone or the iSCSI initiator name", n.String(), l, MaxLength)
@@ -159,7 +169,7 @@ func Parse(s string) (Node, error) {
 	}
 	parts := strings.Split(s, "@")
 	if len(parts) < 2 || len(parts) > 5 {
-		return Node{}, fmt.Errorf("node id %q is not of the form <name>@<zone>[@<address>[@<limit>[@<initiator>]]]", s)
+		return Node{}, fmt.Errorf("node id %q is not of the form %s", s, Format)
 	}
 	n := Node{Name: parts[0], Zone: parts[1]}
 	if len(parts) >= 3 {
@@ -189,4 +199,35 @@ func Parse(s string) (Node, error) {
 		return Node{}, fmt.Errorf("node id %q: %w", s, err)
 	}
 	return n, nil
+}
+
+// MustParse is Parse for ids written in the source; it panics on an id
+// that does not parse.
+func MustParse(s string) Node {
+	n, err := Parse(s)
+	if err != nil {
+		panic(err)
+	}
+	return n
+}
+
+// MarshalText renders the id, so that a record holds a Node as the id
+// string a node plugin reported. A Node that does not validate is refused:
+// written, it could not be read back.
+func (n Node) MarshalText() ([]byte, error) {
+	if err := n.Validate(); err != nil {
+		return nil, err
+	}
+	return []byte(n.String()), nil
+}
+
+// UnmarshalText parses an id (see Parse); a record holding one that does
+// not parse does not load.
+func (n *Node) UnmarshalText(text []byte) error {
+	parsed, err := Parse(string(text))
+	if err != nil {
+		return err
+	}
+	*n = parsed
+	return nil
 }

@@ -1,6 +1,7 @@
 package nodeid
 
 import (
+	"encoding/json"
 	"strings"
 	"testing"
 )
@@ -212,4 +213,52 @@ func TestKeyOf(t *testing.T) {
 			t.Errorf("KeyOf(%q) = %q, want %q", in, got, want)
 		}
 	}
+}
+
+// A record holds a Node as the id string, the form records held before the
+// node was typed: an id in that form loads and is written back unchanged;
+// one that does not parse does not load, and a Node that does not validate
+// is not written.
+func TestNodeInRecords(t *testing.T) {
+	type record struct {
+		Node Node `json:"nodeID"`
+	}
+	for _, in := range []string{
+		`{"nodeID":"worker-1@zone-a"}`,
+		`{"nodeID":"worker-1@zone-a@10.99.0.11@64"}`,
+		`{"nodeID":"n@z@2001:db8::1"}`,
+		`{"nodeID":"worker-1@zone-a@@@iqn.2026-11.io.example:worker-1"}`,
+	} {
+		var r record
+		if err := json.Unmarshal([]byte(in), &r); err != nil {
+			t.Errorf("loading %s: %v", in, err)
+			continue
+		}
+		if out, err := json.Marshal(r); err != nil || string(out) != in {
+			t.Errorf("%s is written back as %s (%v)", in, out, err)
+		}
+	}
+	for _, in := range []string{`{"nodeID":"worker-1"}`, `{"nodeID":""}`, `{"nodeID":"worker-1@zone-a@"}`, `{"nodeID":["w","z"]}`} {
+		var r record
+		if err := json.Unmarshal([]byte(in), &r); err == nil {
+			t.Errorf("%s loads as %+v", in, r.Node)
+		}
+	}
+	for _, n := range []Node{{}, {Name: "w"}, {Name: "w", Zone: "z", Address: "10.0.0.1/8"}} {
+		if out, err := json.Marshal(record{n}); err == nil {
+			t.Errorf("%+v is written as %s", n, out)
+		}
+	}
+}
+
+func TestMustParse(t *testing.T) {
+	if n := MustParse("worker-1@zone-a@10.0.0.1"); n != (Node{Name: "worker-1", Zone: "zone-a", Address: "10.0.0.1"}) {
+		t.Errorf("MustParse = %+v", n)
+	}
+	defer func() {
+		if recover() == nil {
+			t.Error("MustParse of a bad id does not panic")
+		}
+	}()
+	MustParse("worker-1")
 }

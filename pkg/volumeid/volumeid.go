@@ -22,6 +22,7 @@ import (
 	"strings"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/label"
 )
 
 // Kind tells volumes, snapshots and group snapshots apart.
@@ -44,13 +45,10 @@ type ID struct {
 	Key     string
 }
 
-var (
-	zonePattern = regexp.MustCompile(`^([A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$`)
-	keyPattern  = regexp.MustCompile(`^[0-9a-f]{32}$`)
-)
+var keyPattern = regexp.MustCompile(`^[0-9a-f]{32}$`)
 
 // ValidZone reports whether z may name a zone: a Kubernetes label value.
-func ValidZone(z string) bool { return z != "" && zonePattern.MatchString(z) }
+func ValidZone(z string) bool { return label.ValidValue(z) }
 
 // KeyFor derives the key of the object a CO calls name. Deriving it (rather
 // than drawing it at random) makes CreateVolume idempotent across a restart

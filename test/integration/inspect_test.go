@@ -84,7 +84,7 @@ func TestInspectExplainsAStuckPod(t *testing.T) {
 		t.Fatalf("want exactly the asked volume, got %+v", report.Volumes)
 	}
 	v := report.Volumes[0]
-	if len(v.Attachments) != 1 || v.Attachments[0].Node != info.GetNodeId() || v.Attachments[0].ReadOnly {
+	if len(v.Attachments) != 1 || v.Attachments[0].Node.String() != info.GetNodeId() || v.Attachments[0].ReadOnly {
 		t.Errorf("attachments: %+v, want %s read/write", v.Attachments, info.GetNodeId())
 	}
 	if len(v.Holds) != 1 || v.Holds[0].Node != info.GetNodeId() || len(v.Holds[0].Workloads) != 1 ||

@@ -633,7 +633,7 @@ func (s *stress) check(v *stressVol) {
 	recorded := map[string]bool{}
 	rwAttached := 0
 	for _, a := range meta.Attachments {
-		recorded[a.NodeID] = a.ReadOnly
+		recorded[a.Node.String()] = a.ReadOnly
 		if !a.ReadOnly {
 			rwAttached++
 		}

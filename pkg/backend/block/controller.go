@@ -591,7 +591,7 @@ func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachm
 		if a.Fenced {
 			return nil, status.Errorf(codes.FailedPrecondition,
 				"volume %s cannot be fenced from node %s: it is reached through a loop device on a pool every node of zone %s shares, where nothing but the node itself decides what it writes; serve the zone from a storage target (--block-target) to fence at the storage",
-				id, a.Node(), id.Zone)
+				id, a.Node.Name, id.Zone)
 		}
 	}
 	return c.RecordAttachments(ctx, id, attachments)

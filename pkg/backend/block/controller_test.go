@@ -14,6 +14,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 	"google.golang.org/grpc/codes"
 )
@@ -540,6 +541,64 @@ func TestCorruptMetadataStopsTheController(t *testing.T) {
 	}
 	if !exists(imageOf(t, f, spec.ID)) {
 		t.Fatal("the image of a volume with corrupt metadata was removed")
+	}
+}
+
+// A volume record holds each attachment's node as the id string, as
+// records written before the node was typed do: such a record loads with
+// the node parsed; one whose node id does not parse stops the controller,
+// and says which record and what is wrong with it, rather than starting
+// without knowing who holds the volume.
+func TestRecordedNodeIDs(t *testing.T) {
+	tests := []struct {
+		name, nodeID string
+		want         nodeid.Node // zero: the record must not load
+	}{
+		{"key and zone", "n1@zone-a", nodeid.Node{Name: "n1", Zone: "zone-a"}},
+		{"with address and limit", "n1@zone-a@10.0.0.1@64", nodeid.Node{Name: "n1", Zone: "zone-a", Address: "10.0.0.1", MaxVolumes: 64}},
+		{"with an initiator", "n1@zone-a@@@iqn.2026-11.io.example:n1", nodeid.Node{Name: "n1", Zone: "zone-a", Initiator: "iqn.2026-11.io.example:n1"}},
+		{"no zone", "n1", nodeid.Node{}},
+		{"empty", "", nodeid.Node{}},
+		{"limit not a number", "n1@zone-a@10.0.0.1@x", nodeid.Node{}},
+		{"a path for a key", "../n1@zone-a", nodeid.Node{}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFixture(t, "zone-a")
+			spec := mountSpec(t, "zone-a", "recorded", "", 16*mib)
+			f.create(t, spec)
+			f.attach(t, spec.ID, writer("n1"))
+			meta, _ := f.ctrl.pools["zone-a"].metaPath(spec.ID)
+			data, err := os.ReadFile(meta)
+			if err != nil {
+				t.Fatal(err)
+			}
+			recorded := []byte(`"nodeID": "n1@zone-a"`)
+			if !bytes.Contains(data, recorded) {
+				t.Fatalf("the record holds no %s:\n%s", recorded, data)
+			}
+			data = bytes.Replace(data, recorded, []byte(`"nodeID": "`+tt.nodeID+`"`), 1)
+			if err := os.WriteFile(meta, data, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			restarted, err := NewController(f.pools)
+			if tt.want == (nodeid.Node{}) {
+				if err == nil || !strings.Contains(err.Error(), meta) || !strings.Contains(err.Error(), "node") {
+					t.Fatalf("NewController with an attachment to %q: %v; want an error naming %s and the node id", tt.nodeID, err, meta)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			v, err := restarted.Volume(context.Background(), spec.ID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(v.Attachments) != 1 || v.Attachments[0].Node != tt.want {
+				t.Fatalf("attachments %+v, want one to %+v", v.Attachments, tt.want)
+			}
+		})
 	}
 }
 

@@ -200,7 +200,7 @@ func (c *Controller) cloneOrVet(vol *backend.Volume, image, dst string) (cloned 
 func (c *Controller) writerOf(vol *backend.Volume, image string) (string, error) {
 	for _, a := range vol.Attachments {
 		if !a.ReadOnly {
-			return "attached read-write to node " + a.Node(), nil
+			return "attached read-write to node " + a.Node.Name, nil
 		}
 	}
 	if c.writers != nil {

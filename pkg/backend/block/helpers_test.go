@@ -14,6 +14,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -233,12 +234,15 @@ func (f *fixture) attach(t *testing.T, id volumeid.ID, attachments ...accessmode
 	}
 }
 
+// testNode is the node of key name in zone-a.
+func testNode(name string) nodeid.Node { return nodeid.Node{Name: name, Zone: "zone-a"} }
+
 func writer(node string) accessmode.Attachment {
-	return accessmode.Attachment{NodeID: node, Mode: accessmode.SingleNodeWriter}
+	return accessmode.Attachment{Node: testNode(node), Mode: accessmode.SingleNodeWriter}
 }
 
 func reader(node string) accessmode.Attachment {
-	return accessmode.Attachment{NodeID: node, Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true}
+	return accessmode.Attachment{Node: testNode(node), Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true}
 }
 
 // stage stages and makes sure the stage is undone when the test ends.
@@ -266,7 +270,7 @@ func (f *fixture) unstage(t *testing.T, staged *backend.Staged) {
 func (f *fixture) mountReq(id volumeid.ID, node, stagingName string, readOnly bool) backend.StageRequest {
 	return backend.StageRequest{
 		VolumeID:    id,
-		NodeID:      node,
+		Node:        testNode(node),
 		StagingPath: filepath.Join(f.root, "staging", stagingName),
 		AccessType:  accessmode.Mount,
 		ReadOnly:    readOnly,

@@ -17,6 +17,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/pkg/mounts"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -130,21 +131,21 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 	if err != nil {
 		return nil, err
 	}
-	att, attached := attachmentOf(vol.Attachments, req.NodeID)
+	att, attached := attachmentOf(vol.Attachments, req.Node)
 	if !attached {
 		return nil, status.Errorf(codes.FailedPrecondition,
 			"volume %s is not attached to node %s (attached to: %s); ControllerPublishVolume must succeed first",
-			vol.ID, req.NodeID, describeAttachments(vol.Attachments))
+			vol.ID, req.Node, describeAttachments(vol.Attachments))
 	}
 	if !req.ReadOnly && (att.ReadOnly || accessmode.IsReadOnly(att.Mode)) {
 		// The servers combine this already; refusing here as well keeps a
 		// read-only attachment read-only even if a caller gets it wrong.
 		return nil, status.Errorf(codes.FailedPrecondition,
-			"volume %s is attached to node %s read-only (%s); a read/write stage is refused", vol.ID, req.NodeID, accessmode.Name(att.Mode))
+			"volume %s is attached to node %s read-only (%s); a read/write stage is refused", vol.ID, req.Node, accessmode.Name(att.Mode))
 	}
 	if req.Mode != 0 && !accessmode.Within(req.Mode, att.Mode) {
 		return nil, status.Errorf(codes.FailedPrecondition,
-			"volume %s is attached to node %s as %s; a stage as %s would allow more than that", vol.ID, req.NodeID,
+			"volume %s is attached to node %s as %s; a stage as %s would allow more than that", vol.ID, req.Node,
 			accessmode.Name(att.Mode), accessmode.Name(req.Mode))
 	}
 	if req.AccessType != vol.AccessType {
@@ -379,9 +380,9 @@ func mountOptions(fsType string, readOnly, writable bool, mountFlags []string) [
 // attachmentOf finds this node's attachment by its key: the controller
 // records the id the node had when it was attached, and the node may have
 // restarted under a new address since.
-func attachmentOf(attachments []accessmode.Attachment, nodeID string) (accessmode.Attachment, bool) {
+func attachmentOf(attachments []accessmode.Attachment, node nodeid.Node) (accessmode.Attachment, bool) {
 	for _, a := range attachments {
-		if a.Node() == accessmode.NodeKey(nodeID) {
+		if a.Node.Name == node.Name {
 			return a, true
 		}
 	}
@@ -394,7 +395,7 @@ func describeAttachments(attachments []accessmode.Attachment) string {
 	}
 	names := make([]string, 0, len(attachments))
 	for _, a := range attachments {
-		names = append(names, a.NodeID)
+		names = append(names, a.Node.String())
 	}
 	return strings.Join(names, ", ")
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
 	"github.com/modeguard/modeguard/pkg/faultpoint"
 	"github.com/modeguard/modeguard/pkg/fsutil"
+	"github.com/modeguard/modeguard/pkg/iqn"
 	"github.com/modeguard/modeguard/pkg/mounts"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
@@ -267,7 +268,7 @@ func (n *Node) unstageISCSI(ctx context.Context, id volumeid.ID, staged *backend
 		return status.Errorf(codes.Internal, "looking for sessions to volume %s: %v", id, err)
 	}
 	for _, s := range sessions {
-		if !iscsi.ValidIQN(s.Target) {
+		if !iqn.Valid(s.Target) {
 			continue
 		}
 		ends = append(ends, session{s.Target, s.Portal})

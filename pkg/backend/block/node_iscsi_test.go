@@ -14,6 +14,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -76,7 +77,7 @@ func TestStageOverISCSIRefusesBeforeLoggingIn(t *testing.T) {
 		return c
 	}
 	req := func(ctx map[string]string, capacity int64) backend.StageRequest {
-		return backend.StageRequest{VolumeID: id, NodeID: "worker-1@zone-a", StagingPath: "/var/lib/kubelet/staging/x",
+		return backend.StageRequest{VolumeID: id, Node: nodeid.MustParse("worker-1@zone-a"), StagingPath: "/var/lib/kubelet/staging/x",
 			AccessType: accessmode.Mount, FsType: "ext4", CapacityBytes: capacity, VolumeContext: ctx}
 	}
 	for _, tc := range []struct {

@@ -174,13 +174,13 @@ func TestStageHonoursAReadOnlyAttachment(t *testing.T) {
 		name       string
 		attachment accessmode.Attachment
 	}{
-		{"attached read-only", accessmode.Attachment{NodeID: "n1", Mode: accessmode.MultiNodeSingleWriter, ReadOnly: true}},
-		{"attached with a read-only mode", accessmode.Attachment{NodeID: "n1", Mode: accessmode.MultiNodeReaderOnly}},
+		{"attached read-only", accessmode.Attachment{Node: testNode("n1"), Mode: accessmode.MultiNodeSingleWriter, ReadOnly: true}},
+		{"attached with a read-only mode", accessmode.Attachment{Node: testNode("n1"), Mode: accessmode.MultiNodeReaderOnly}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			f.attach(t, spec.ID, tt.attachment)
-			req := backend.StageRequest{VolumeID: spec.ID, NodeID: "n1", AccessType: accessmode.Block}
+			req := backend.StageRequest{VolumeID: spec.ID, Node: testNode("n1"), AccessType: accessmode.Block}
 			_, err := f.node.Stage(context.Background(), req)
 			wantCode(t, err, codes.FailedPrecondition)
 			if !strings.Contains(err.Error(), "read-only") {
@@ -323,7 +323,7 @@ func TestRawBlockStageExposesTheWholeCapacity(t *testing.T) {
 	spec.Modes = []accessmode.Mode{accessmode.MultiNodeMultiWriter}
 	f.create(t, spec)
 	f.attach(t, spec.ID, writer("n1"))
-	req := backend.StageRequest{VolumeID: spec.ID, NodeID: "n1", StagingPath: filepath.Join(f.root, "staging", "raw"), AccessType: accessmode.Block}
+	req := backend.StageRequest{VolumeID: spec.ID, Node: testNode("n1"), StagingPath: filepath.Join(f.root, "staging", "raw"), AccessType: accessmode.Block}
 	staged := f.stage(t, req)
 	size, err := loop.Size(staged.Device)
 	if err != nil {
@@ -698,7 +698,7 @@ func TestExpandOfAReadOnlyFilesystemStage(t *testing.T) {
 			f.attach(t, spec.ID, writer("n1"))
 			f.unstage(t, f.stage(t, f.mountReq(spec.ID, "n1", "format", false)))
 
-			f.attach(t, spec.ID, accessmode.Attachment{NodeID: "n1", Mode: accessmode.SingleNodeWriter, ReadOnly: true})
+			f.attach(t, spec.ID, accessmode.Attachment{Node: testNode("n1"), Mode: accessmode.SingleNodeWriter, ReadOnly: true})
 			ro := f.stage(t, f.mountReq(spec.ID, "n1", "ro", true))
 			before := statfsBytes(t, ro.StagingPath)
 			vol, err := f.ctrl.ExpandVolume(ctx, spec.ID, 2*initial)
@@ -784,7 +784,7 @@ func TestVolumeNoNodeMayWriteGrowsOnlyAsRawBlock(t *testing.T) {
 	f.attach(t, raw.ID, reader("r1"), reader("r2"))
 	var readers []*backend.Staged
 	for _, n := range []string{"r1", "r2"} {
-		readers = append(readers, f.stage(t, backend.StageRequest{VolumeID: raw.ID, NodeID: n, ReadOnly: true,
+		readers = append(readers, f.stage(t, backend.StageRequest{VolumeID: raw.ID, Node: testNode(n), ReadOnly: true,
 			StagingPath: filepath.Join(f.root, "staging", "rox-raw-"+n), AccessType: accessmode.Block}))
 	}
 	if vol, err = f.ctrl.ExpandVolume(ctx, raw.ID, 32*mib); err != nil || vol.CapacityBytes != 32*mib {

@@ -149,7 +149,7 @@ func TestControlErrorsAreCounted(t *testing.T) {
 		t.Fatal(err)
 	}
 	g.failApply = true
-	node := accessmode.Attachment{NodeID: nodeid.Node{Name: "n1", Zone: "zone-a", Address: "10.0.0.11"}.String(), Mode: accessmode.MultiNodeMultiWriter}
+	node := accessmode.Attachment{Node: nodeid.Node{Name: "n1", Zone: "zone-a", Address: "10.0.0.11"}, Mode: accessmode.MultiNodeMultiWriter}
 	_, err = ctrl.SetAttachments(ctx, id, []accessmode.Attachment{node})
 	if status.Code(err) != codes.Unavailable {
 		t.Fatalf("a publish with ganesha refusing the export: %v, want UNAVAILABLE", err)

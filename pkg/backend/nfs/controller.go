@@ -322,10 +322,10 @@ func exported(v *backend.Volume) bool { return len(accessmode.Served(v.Attachmen
 func losesClient(old, now []accessmode.Attachment) bool {
 	stays := map[string]bool{}
 	for _, a := range accessmode.Served(now) {
-		stays[a.Node()] = true
+		stays[a.Node.Name] = true
 	}
 	for _, a := range accessmode.Served(old) {
-		if !stays[a.Node()] {
+		if !stays[a.Node.Name] {
 			return true
 		}
 	}
@@ -451,14 +451,24 @@ func (c *Controller) export(rec *volumeRecord) (ganesha.Export, error) {
 		Squash: squashOf(&rec.Volume), Comment: "modeguard volume " + rec.Volume.ID,
 	}
 	for _, a := range accessmode.Served(rec.Volume.Attachments) {
-		n, err := nodeid.Parse(a.NodeID)
-		if err != nil || n.Address == "" {
-			return ganesha.Export{}, status.Errorf(codes.FailedPrecondition,
-				"node %q has no NFS client address; start its node plugin with --node-address", a.NodeID)
+		address, err := clientAddress(a.Node)
+		if err != nil {
+			return ganesha.Export{}, err
 		}
-		e.Clients = append(e.Clients, ganesha.ClientRule{Address: netip.MustParseAddr(n.Address), ReadOnly: a.ReadOnly})
+		e.Clients = append(e.Clients, ganesha.ClientRule{Address: address, ReadOnly: a.ReadOnly})
 	}
 	return e, nil
+}
+
+// clientAddress is the address node mounts exports from, which its
+// export's client list names.
+func clientAddress(node nodeid.Node) (netip.Addr, error) {
+	address, err := netip.ParseAddr(node.Address)
+	if err != nil {
+		return netip.Addr{}, status.Errorf(codes.FailedPrecondition,
+			"node %q has no NFS client address; start its node plugin with --node-address", node)
+	}
+	return address, nil
 }
 
 // squashOf is the root squashing a volume's export gets: its rootSquash
@@ -828,7 +838,7 @@ func (c *Controller) copyable(vol *backend.Volume) error {
 		if !a.ReadOnly {
 			return status.Errorf(codes.FailedPrecondition,
 				"volume %s is attached read-write to node %s, and this server's quota storage copies a volume file by file, not as of one instant; "+
-					"copy it once no node has it attached for writing", vol.ID, a.Node())
+					"copy it once no node has it attached for writing", vol.ID, a.Node.Name)
 		}
 	}
 	return nil
@@ -1019,18 +1029,17 @@ func (c *Controller) SetAttachments(ctx context.Context, id volumeid.ID, attachm
 	if err != nil {
 		return nil, err
 	}
-	seen := map[string]string{}
+	seen := map[netip.Addr]nodeid.Node{}
 	for _, a := range attachments {
-		n, err := nodeid.Parse(a.NodeID)
-		if err != nil || n.Address == "" {
-			return nil, status.Errorf(codes.FailedPrecondition,
-				"node %q has no NFS client address; start its node plugin with --node-address", a.NodeID)
+		address, err := clientAddress(a.Node)
+		if err != nil {
+			return nil, err
 		}
-		if other, dup := seen[n.Address]; dup {
+		if other, dup := seen[address]; dup {
 			return nil, status.Errorf(codes.FailedPrecondition,
-				"nodes %q and %q report the same NFS client address %s; the server could not tell them apart", other, a.NodeID, n.Address)
+				"nodes %q and %q report the same NFS client address %s; the server could not tell them apart", other, a.Node, address)
 		}
-		seen[n.Address] = a.NodeID
+		seen[address] = a.Node
 	}
 	old := *rec
 	rec.Volume.Attachments = attachments
@@ -1311,15 +1320,11 @@ func (c *Controller) ClientList(id volumeid.ID) ([]ganesha.ClientRule, error) {
 func clientList(rec *volumeRecord) string {
 	var out []string
 	for _, a := range accessmode.Served(rec.Volume.Attachments) {
-		n, err := nodeid.Parse(a.NodeID)
-		if err != nil {
-			continue
-		}
 		access := "RW"
 		if a.ReadOnly {
 			access = "RO"
 		}
-		out = append(out, n.Address+" "+access)
+		out = append(out, a.Node.Address+" "+access)
 	}
 	if len(out) == 0 {
 		return "none"

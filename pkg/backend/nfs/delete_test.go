@@ -14,6 +14,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
 	"github.com/modeguard/modeguard/pkg/backend/nfs/imagestore"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -168,7 +169,7 @@ func TestNoCopyOfATreeBeingWritten_RecordingGanesha(t *testing.T) {
 	if _, err := ctrl.CreateVolume(ctx, spec); err != nil {
 		t.Fatal(err)
 	}
-	writer := accessmode.Attachment{NodeID: "n1@zone-a@10.0.0.2", Mode: accessmode.MultiNodeMultiWriter}
+	writer := accessmode.Attachment{Node: nodeid.MustParse("n1@zone-a@10.0.0.2"), Mode: accessmode.MultiNodeMultiWriter}
 	if _, err := ctrl.SetAttachments(ctx, src, []accessmode.Attachment{writer}); err != nil {
 		t.Fatal(err)
 	}
@@ -181,7 +182,7 @@ func TestNoCopyOfATreeBeingWritten_RecordingGanesha(t *testing.T) {
 	if _, err := ctrl.CreateVolume(ctx, clone); status.Code(err) != codes.FailedPrecondition {
 		t.Fatalf("clone of a volume attached read-write: %v, want FAILED_PRECONDITION", err)
 	}
-	reader := accessmode.Attachment{NodeID: "n1@zone-a@10.0.0.2", Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true}
+	reader := accessmode.Attachment{Node: nodeid.MustParse("n1@zone-a@10.0.0.2"), Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true}
 	if _, err := ctrl.SetAttachments(ctx, src, []accessmode.Attachment{reader}); err != nil {
 		t.Fatal(err)
 	}

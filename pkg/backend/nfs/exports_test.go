@@ -149,8 +149,8 @@ func TestExportsOpenOnlyToPublishedNodes(t *testing.T) {
 	ctx := context.Background()
 	root, exportDir := t.TempDir(), t.TempDir()
 	ctrl, g := startedController(t, ctx, dirStorage{root}, exportDir)
-	node := func(name, addr string) string {
-		return nodeid.Node{Name: name, Zone: "zone-a", Address: addr}.String()
+	node := func(name, addr string) nodeid.Node {
+		return nodeid.Node{Name: name, Zone: "zone-a", Address: addr}
 	}
 	n1, n2, n3 := node("n1", "10.0.0.11"), node("n2", "fd00::12"), node("n3", "10.0.0.13")
 	create := func(name string, params map[string]string) volumeid.ID {
@@ -236,11 +236,11 @@ func TestExportsOpenOnlyToPublishedNodes(t *testing.T) {
 			t.Fatalf("%s: %v", step, err)
 		}
 	}
-	rw := func(n string) accessmode.Attachment {
-		return accessmode.Attachment{NodeID: n, Mode: accessmode.MultiNodeMultiWriter}
+	rw := func(n nodeid.Node) accessmode.Attachment {
+		return accessmode.Attachment{Node: n, Mode: accessmode.MultiNodeMultiWriter}
 	}
-	ro := func(n string) accessmode.Attachment {
-		return accessmode.Attachment{NodeID: n, Mode: accessmode.MultiNodeMultiWriter, ReadOnly: true}
+	ro := func(n nodeid.Node) accessmode.Attachment {
+		return accessmode.Attachment{Node: n, Mode: accessmode.MultiNodeMultiWriter, ReadOnly: true}
 	}
 
 	vol := create("follows", nil)
@@ -268,7 +268,7 @@ func TestExportsOpenOnlyToPublishedNodes(t *testing.T) {
 	// A node without an address, or two nodes behind one address, cannot be
 	// told apart by the server: refused, and the export stays as it was.
 	for _, bad := range [][]accessmode.Attachment{
-		{ro(n2), rw("n4@zone-a")},
+		{ro(n2), rw(node("n4", ""))},
 		{ro(n2), rw(n3), rw(node("n5", "10.0.0.13"))},
 	} {
 		_, err := ctrl.SetAttachments(ctx, vol, bad)
@@ -349,7 +349,7 @@ func TestNFSRecordsArePrivate(t *testing.T) {
 		t.Fatal(err)
 	}
 	if _, err := ctrl.SetAttachments(ctx, vid, []accessmode.Attachment{{
-		NodeID: nodeid.Node{Name: "n1", Zone: "zone-a", Address: "10.0.0.11"}.String(), Mode: accessmode.MultiNodeMultiWriter}}); err != nil {
+		Node: nodeid.Node{Name: "n1", Zone: "zone-a", Address: "10.0.0.11"}, Mode: accessmode.MultiNodeMultiWriter}}); err != nil {
 		t.Fatal(err)
 	}
 	sid, _ := volumeid.New(accessmode.BackendNFS, "", volumeid.Snapshot, volumeid.KeyFor("test", volumeid.Snapshot, "s"))
@@ -413,7 +413,7 @@ func TestVolumesOnFollowsTheRecords(t *testing.T) {
 	}
 	ctrl := open()
 	att := func(name, addr string) accessmode.Attachment {
-		return accessmode.Attachment{NodeID: nodeid.Node{Name: name, Zone: "zone-a", Address: addr}.String(), Mode: accessmode.MultiNodeMultiWriter}
+		return accessmode.Attachment{Node: nodeid.Node{Name: name, Zone: "zone-a", Address: addr}, Mode: accessmode.MultiNodeMultiWriter}
 	}
 	var ids []volumeid.ID
 	for _, name := range []string{"a", "b", "c"} {

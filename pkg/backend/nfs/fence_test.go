@@ -28,7 +28,7 @@ import (
 // in test/vm/nfs checks the effect with kernel clients and a real ganesha).
 func TestWriterLeavingReleasesItsState(t *testing.T) {
 	node := func(name, addr string) accessmode.Attachment {
-		return accessmode.Attachment{NodeID: nodeid.Node{Name: name, Zone: "zone-a", Address: addr}.String()}
+		return accessmode.Attachment{Node: nodeid.Node{Name: name, Zone: "zone-a", Address: addr}}
 	}
 	w, r1, r2 := node("w", "10.0.0.1"), node("r1", "10.0.0.2"), node("r2", "10.0.0.3")
 	as := func(a accessmode.Attachment, m accessmode.Mode, ro bool) accessmode.Attachment {

@@ -102,7 +102,7 @@ func TestOnlyPublishedVolumesAreServed_LoggingGanesha(t *testing.T) {
 		return ctrl
 	}
 	ctrl := start()
-	node := accessmode.Attachment{NodeID: nodeid.Node{Name: "n1", Zone: "zone-a", Address: "10.0.0.11"}.String(), Mode: accessmode.MultiNodeMultiWriter}
+	node := accessmode.Attachment{Node: nodeid.Node{Name: "n1", Zone: "zone-a", Address: "10.0.0.11"}, Mode: accessmode.MultiNodeMultiWriter}
 	ids := map[string]volumeid.ID{}
 	rel := func(name string) string { return "volumes/" + ids[name].FileName() }
 	conf := func(name string) string { return ids[name].FileName() + ".conf" }
@@ -141,7 +141,7 @@ func TestOnlyPublishedVolumesAreServed_LoggingGanesha(t *testing.T) {
 		t.Fatal(err)
 	}
 	expect("first publish after the start", "ensure "+rel("idle"), "apply "+conf("idle"))
-	if _, err := ctrl.SetAttachments(ctx, ids["idle"], []accessmode.Attachment{node, {NodeID: nodeid.Node{Name: "n2", Zone: "zone-a", Address: "10.0.0.12"}.String(), Mode: accessmode.MultiNodeMultiWriter}}); err != nil {
+	if _, err := ctrl.SetAttachments(ctx, ids["idle"], []accessmode.Attachment{node, {Node: nodeid.Node{Name: "n2", Zone: "zone-a", Address: "10.0.0.12"}, Mode: accessmode.MultiNodeMultiWriter}}); err != nil {
 		t.Fatal(err)
 	}
 	expect("a second node", "apply "+conf("idle"))

@@ -38,7 +38,7 @@ func TestModifyRootSquashChangesTheExportLive(t *testing.T) {
 	root, exportDir := t.TempDir(), t.TempDir()
 	ctrl, g := startedController(t, ctx, dirStorage{root}, exportDir)
 	id := createMultiWriter(t, ctx, ctrl, "squashed")
-	node := nodeid.Node{Name: "n1", Zone: "zone-a", Address: "10.0.0.11"}.String()
+	node := nodeid.Node{Name: "n1", Zone: "zone-a", Address: "10.0.0.11"}
 	squashes := func(step string, want ganesha.Squash) {
 		t.Helper()
 		info, err := g.Export(ctx, 1)
@@ -61,7 +61,7 @@ func TestModifyRootSquashChangesTheExportLive(t *testing.T) {
 	if len(g.applied) != 0 {
 		t.Fatalf("an idle volume was exported by a modify: %v", g.applied)
 	}
-	if _, err := ctrl.SetAttachments(ctx, id, []accessmode.Attachment{{NodeID: node, Mode: accessmode.MultiNodeMultiWriter}}); err != nil {
+	if _, err := ctrl.SetAttachments(ctx, id, []accessmode.Attachment{{Node: node, Mode: accessmode.MultiNodeMultiWriter}}); err != nil {
 		t.Fatal(err)
 	}
 	squashes("first publish after the change", ganesha.NoRootSquash)

@@ -20,7 +20,6 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/pkg/mounts"
-	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -182,11 +181,7 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 		}
 		return nil, status.Errorf(codes.AlreadyExists, "staging path %s already holds another mount (%s, %s)", req.StagingPath, m.Source, m.FSType)
 	}
-	client := ""
-	if n, err := nodeid.Parse(req.NodeID); err == nil {
-		client = n.Address
-	}
-	opts := mountOptions(req.MountFlags, port, req.ReadOnly, req.VolumeContext[ContextServer], client)
+	opts := mountOptions(req.MountFlags, port, req.ReadOnly, req.VolumeContext[ContextServer], req.Node.Address)
 	if err := n.mounter.Mount(src, req.StagingPath, "nfs4", opts); err != nil {
 		if refusedByServer(err) {
 			return nil, status.Errorf(codes.FailedPrecondition,

@@ -14,6 +14,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/mounts"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -28,7 +29,7 @@ func stageRequest(t *testing.T, volCtx map[string]string, flags []string, readOn
 		t.Fatal(err)
 	}
 	return backend.StageRequest{
-		VolumeID: id, NodeID: "n1@zone-a@10.0.0.11", StagingPath: filepath.Join(t.TempDir(), "staging"),
+		VolumeID: id, Node: nodeid.MustParse("n1@zone-a@10.0.0.11"), StagingPath: filepath.Join(t.TempDir(), "staging"),
 		AccessType: accessmode.Mount, MountFlags: flags, ReadOnly: readOnly, VolumeContext: volCtx,
 	}
 }

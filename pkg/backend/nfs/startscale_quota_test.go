@@ -164,10 +164,10 @@ func startScaleSetUp(b *testing.B, ctx context.Context, n int) (*projquota.Pool,
 	created := time.Since(began)
 
 	began = time.Now()
-	node := nodeid.Node{Name: "n1", Zone: "zone-a", Address: "10.0.0.11"}.String()
+	node := nodeid.Node{Name: "n1", Zone: "zone-a", Address: "10.0.0.11"}
 	published := 0
 	for i := 0; i < n; i += 100 {
-		if _, err := ctrl.SetAttachments(ctx, ids[i], []accessmode.Attachment{{NodeID: node, Mode: accessmode.MultiNodeMultiWriter}}); err != nil {
+		if _, err := ctrl.SetAttachments(ctx, ids[i], []accessmode.Attachment{{Node: node, Mode: accessmode.MultiNodeMultiWriter}}); err != nil {
 			b.Fatalf("SetAttachments: %v", err)
 		}
 		published++

@@ -20,6 +20,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 	"github.com/modeguard/modeguard/test/certs"
 )
@@ -122,7 +123,7 @@ func TestClientIsTheTargetsController(t *testing.T) {
 		AccessType: accessmode.Block, Modes: []accessmode.Mode{accessmode.SingleNodeWriter}})
 	wantCode(t, "a volume beyond the pool", err, codes.ResourceExhausted)
 
-	att := []accessmode.Attachment{{NodeID: "worker-1@zone-a@@@iqn.2026-11.io.example:worker-1", Mode: accessmode.SingleNodeWriter}}
+	att := []accessmode.Attachment{{Node: nodeid.MustParse("worker-1@zone-a@@@iqn.2026-11.io.example:worker-1"), Mode: accessmode.SingleNodeWriter}}
 	if v, err := c.SetAttachments(ctx, vid, att); err != nil || !reflect.DeepEqual(v.Attachments, att) {
 		t.Fatalf("SetAttachments = %+v, %v", v, err)
 	}

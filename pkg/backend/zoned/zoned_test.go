@@ -16,6 +16,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/pkg/backend/remote"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -46,7 +47,7 @@ func create(t *testing.T, c backend.Controller, id volumeid.ID, nodes ...string)
 	}
 	var att []accessmode.Attachment
 	for _, n := range nodes {
-		att = append(att, accessmode.Attachment{NodeID: n + "@" + id.Zone, Mode: accessmode.MultiNodeMultiWriter})
+		att = append(att, accessmode.Attachment{Node: nodeid.Node{Name: n, Zone: id.Zone}, Mode: accessmode.MultiNodeMultiWriter})
 	}
 	if _, err := c.SetAttachments(ctx, id, att); err != nil {
 		t.Fatal(err)

@@ -93,7 +93,7 @@ func killInVM(t testing.TB, ctx context.Context, vm *vmtest.VM, log string) {
 // attachment is node's attachment in the id its node plugin would report.
 func attachment(node string, i lio.Initiator, mode accessmode.Mode) accessmode.Attachment {
 	id := nodeid.Node{Name: node, Zone: "zone-a", Initiator: i.IQN}
-	return accessmode.Attachment{NodeID: id.String(), Mode: mode, ReadOnly: i.ReadOnly}
+	return accessmode.Attachment{Node: id, Mode: mode, ReadOnly: i.ReadOnly}
 }
 
 // TestTargetRoleServesAttachmentsOverISCSI: the storage target role of

@@ -40,6 +40,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/modeguard/modeguard/pkg/command"
+	"github.com/modeguard/modeguard/pkg/iqn"
 )
 
 // iscsiadm's exit statuses that say something the caller acts on
@@ -68,7 +69,7 @@ type Target struct {
 
 func (t Target) validate() error {
 	switch {
-	case !ValidIQN(t.IQN):
+	case !iqn.Valid(t.IQN):
 		return fmt.Errorf("target name %q is not an IQN (iqn.YYYY-MM.reversed.domain[:unique], lower case)", t.IQN)
 	case !t.Portal.IsValid() || t.Portal.Port() == 0:
 		return fmt.Errorf("target portal %q is not an address and port", t.Portal)
@@ -345,7 +346,7 @@ func (in *Initiator) WaitDisk(ctx context.Context, target string, portal netip.A
 // lost), unless its session has already failed for good (FREE): then the
 // target is gone and no flush can reach it.
 func (in *Initiator) Logout(ctx context.Context, target string, portal netip.AddrPort) error {
-	if !ValidIQN(target) {
+	if !iqn.Valid(target) {
 		return fmt.Errorf("target name %q is not an IQN", target)
 	}
 	sessions, err := in.sessionsTo(target, portal)

@@ -7,6 +7,8 @@ import (
 	"os"
 	"regexp"
 	"strings"
+
+	"github.com/modeguard/modeguard/pkg/iqn"
 )
 
 // InitiatorNameFile is where open-iscsi keeps the node's initiator name:
@@ -14,12 +16,7 @@ import (
 // access list.
 const InitiatorNameFile = "/etc/iscsi/initiatorname.iscsi"
 
-// MaxIQN is the longest name RFC 3720 allows.
-const MaxIQN = 223
-
 var (
-	// RFC 3720 3.2.6.3.1: iqn.YYYY-MM.reversed-domain[:unique], lower case.
-	iqnPattern  = regexp.MustCompile(`^iqn\.[0-9]{4}-(0[1-9]|1[0-2])\.[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*(:[a-z0-9.:-]+)?$`)
 	userPattern = regexp.MustCompile(`^[A-Za-z0-9._-]{1,64}$`)
 	// A secret goes to configfs as one line, to iscsiadm as one argument
 	// and into CHAP as text: printable ASCII without blanks. RFC 3720 asks
@@ -27,10 +24,6 @@ var (
 	secretPattern = regexp.MustCompile(`^[!-~]{12,255}$`)
 	serialPattern = regexp.MustCompile(`^[0-9a-f]{32}$`)
 )
-
-// ValidIQN tells whether s is an iSCSI qualified name as RFC 3720 writes
-// it (lower case; the only form both LIO and open-iscsi take verbatim).
-func ValidIQN(s string) bool { return len(s) <= MaxIQN && iqnPattern.MatchString(s) }
 
 // ValidCHAPUser tells whether s can be a CHAP user name: 1 to 64 of
 // A-Z a-z 0-9 . _ -.
@@ -76,7 +69,7 @@ func ReadInitiatorName(path string) (string, error) {
 	if name == "" {
 		return "", fmt.Errorf("%s has no InitiatorName= line", path)
 	}
-	if !ValidIQN(name) {
+	if !iqn.Valid(name) {
 		return "", fmt.Errorf("%s: initiator name %q is not an IQN (iqn.YYYY-MM.reversed.domain[:unique], lower case)", path, name)
 	}
 	return name, nil

@@ -8,6 +8,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+
+	"github.com/modeguard/modeguard/pkg/iqn"
 )
 
 // The volume context keys that carry a volume's iSCSI coordinates from
@@ -63,7 +65,7 @@ func FromContext(volumeID string, ctx map[string]string) (v Volume, ok bool, err
 		return Volume{}, true, fmt.Errorf("volume context %s=%q: the only network transport is %q", ContextTransport, t, TransportName)
 	}
 	v.Target = ctx[ContextTarget]
-	if !ValidIQN(v.Target) {
+	if !iqn.Valid(v.Target) {
 		return Volume{}, true, fmt.Errorf("volume context %s=%q is not an IQN", ContextTarget, v.Target)
 	}
 	if v.Portal, err = netip.ParseAddrPort(ctx[ContextPortal]); err != nil || v.Portal.Port() == 0 {

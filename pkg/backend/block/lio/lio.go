@@ -42,6 +42,7 @@ import (
 	"strings"
 
 	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
+	"github.com/modeguard/modeguard/pkg/iqn"
 )
 
 // DefaultRoot is where configfs shows the LIO target.
@@ -106,7 +107,7 @@ func New(cfg Config) (*Target, error) {
 	if cfg.Root == "" {
 		cfg.Root = DefaultRoot
 	}
-	if !iscsi.ValidIQN(cfg.Prefix) || strings.Contains(cfg.Prefix, ":") {
+	if !iqn.Valid(cfg.Prefix) || strings.Contains(cfg.Prefix, ":") {
 		return nil, fmt.Errorf("target name prefix %q is not an IQN without a unique part (iqn.YYYY-MM.reversed.domain, lower case)", cfg.Prefix)
 	}
 	if !cfg.Portal.IsValid() || cfg.Portal.Port() == 0 {
@@ -152,8 +153,8 @@ func checkLUN(l LUN) error {
 
 func checkInitiator(i Initiator) error {
 	switch {
-	case !iscsi.ValidIQN(i.IQN):
-		return fmt.Errorf("initiator %q is not an IQN (iqn.YYYY-MM.reversed.domain[:name], lower case, at most %d bytes)", i.IQN, iscsi.MaxIQN)
+	case !iqn.Valid(i.IQN):
+		return fmt.Errorf("initiator %q is not an IQN (iqn.YYYY-MM.reversed.domain[:name], lower case, at most %d bytes)", i.IQN, iqn.MaxLength)
 	case !iscsi.ValidCHAPUser(i.User):
 		return fmt.Errorf("initiator %s: CHAP user %q: want 1 to 64 of A-Z, a-z, 0-9, '.', '_' and '-'", i.IQN, i.User)
 	case !iscsi.ValidCHAPSecret(i.Secret):

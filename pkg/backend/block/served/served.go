@@ -58,7 +58,6 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/block/iscsi"
 	"github.com/modeguard/modeguard/pkg/backend/block/lio"
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
-	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -117,7 +116,7 @@ func New(ctx context.Context, pools *block.Controller, cfg Config) (*Controller,
 			var servable []accessmode.Attachment
 			for _, a := range v.Attachments {
 				if _, err := c.initiators([]accessmode.Attachment{a}); err != nil {
-					klog.ErrorS(err, "A node attached to a volume cannot be let in to it; it is left out of the volume's access list", "volume", v.ID, "node", a.NodeID)
+					klog.ErrorS(err, "A node attached to a volume cannot be let in to it; it is left out of the volume's access list", "volume", v.ID, "node", a.Node.String())
 					continue
 				}
 				servable = append(servable, a)
@@ -163,10 +162,7 @@ func (c *Controller) withContext(v *backend.Volume) *backend.Volume {
 func (c *Controller) initiators(attachments []accessmode.Attachment) ([]lio.Initiator, error) {
 	var list []lio.Initiator
 	for _, a := range accessmode.Served(attachments) {
-		n, err := nodeid.Parse(a.NodeID)
-		if err != nil {
-			return nil, status.Errorf(codes.InvalidArgument, "attachment to %q: %v", a.NodeID, err)
-		}
+		n := a.Node
 		if n.Initiator == "" {
 			return nil, status.Errorf(codes.FailedPrecondition,
 				"node %s reports no iSCSI initiator name, and this volume is served over iSCSI: start its node plugin with --iscsi-initiator-name-file", n.Name)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend/block/lio"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -26,7 +27,7 @@ func TestInitiatorsOfAttachments(t *testing.T) {
 	}
 	c := &Controller{chapDir: dir}
 	got, err := c.initiators([]accessmode.Attachment{
-		{NodeID: "worker-1@zone-a@10.0.0.1@64@iqn.2026-11.io.example:worker-1", Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true},
+		{Node: nodeid.MustParse("worker-1@zone-a@10.0.0.1@64@iqn.2026-11.io.example:worker-1"), Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true},
 	})
 	want := []lio.Initiator{{IQN: "iqn.2026-11.io.example:worker-1", ReadOnly: true, User: "worker-1", Secret: "secret-of-worker-1"}}
 	if err != nil || len(got) != 1 || got[0] != want[0] {
@@ -34,9 +35,9 @@ func TestInitiatorsOfAttachments(t *testing.T) {
 	}
 	// A fenced node is left off the list, whatever it reports.
 	got, err = c.initiators([]accessmode.Attachment{
-		{NodeID: "worker-1@zone-a@10.0.0.1@64@iqn.2026-11.io.example:worker-1", Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true},
-		{NodeID: "worker-2@zone-a@10.0.0.2@64@iqn.2026-11.io.example:worker-2", Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true, Fenced: true},
-		{NodeID: "worker-4@zone-a@10.0.0.4", Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true, Fenced: true},
+		{Node: nodeid.MustParse("worker-1@zone-a@10.0.0.1@64@iqn.2026-11.io.example:worker-1"), Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true},
+		{Node: nodeid.MustParse("worker-2@zone-a@10.0.0.2@64@iqn.2026-11.io.example:worker-2"), Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true, Fenced: true},
+		{Node: nodeid.MustParse("worker-4@zone-a@10.0.0.4"), Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true, Fenced: true},
 	})
 	if err != nil || len(got) != 1 || got[0] != want[0] {
 		t.Fatalf("initiators with fenced nodes = %+v, %v; want %+v", got, err, want)
@@ -47,7 +48,7 @@ func TestInitiatorsOfAttachments(t *testing.T) {
 		{"a short secret", "worker-3@zone-a@@@iqn.2026-11.io.example:worker-3", "12 to 255"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := c.initiators([]accessmode.Attachment{{NodeID: tc.nodeID, Mode: accessmode.SingleNodeWriter}})
+			_, err := c.initiators([]accessmode.Attachment{{Node: nodeid.MustParse(tc.nodeID), Mode: accessmode.SingleNodeWriter}})
 			if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("got %v, want FAILED_PRECONDITION about %q", err, tc.want)
 			}
