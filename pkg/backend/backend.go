@@ -125,6 +125,8 @@ type PoolStats struct {
 
 // Controller is the controller-side half of a backend.
 type Controller interface {
+	ControllerCapabilities
+
 	// Backend names the backend.
 	Backend() accessmode.Backend
 	// Zones lists the zones this controller may place volumes in, in the
@@ -322,6 +324,8 @@ type StageCheck struct {
 
 // Node is the node-side half of a backend.
 type Node interface {
+	NodeCapabilities
+
 	Backend() accessmode.Backend
 	// Stage attaches and mounts the volume at req.StagingPath (mount) or
 	// attaches it and reports its device (block). It refuses with

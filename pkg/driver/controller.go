@@ -551,7 +551,9 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 		return backend.VolumeSpec{ID: id, Name: req.GetName(), CapacityBytes: size, AccessType: caps.accessType,
 			FsType: caps.fsType, Modes: caps.modes, Parameters: req.GetParameters(), MutableParameters: mutable, Source: src}
 	}
-	if id, ok := creatingIn(ctrl, key); ok {
+	if id, ok, err := creatingIn(ctx, ctrl, key); err != nil {
+		return nil, err
+	} else if ok {
 		return resumeCreation(ctx, ctrl, specFor(id), check)
 	}
 	zones := []string{""} // a backend reachable from every zone satisfies any topology
@@ -601,30 +603,29 @@ func createInZones(ctx context.Context, ctrl backend.Controller, zones []string,
 		"no allowed pool can hold %d bytes: %s", size, strings.Join(tried, "; "))
 }
 
-// creator is a backend whose creations may go on in the background (a
-// long copy): a volume being created is not there yet, but a retry must go
-// to it, in its zone whatever room the copy itself now takes there, rather
-// than make another.
-type creator interface {
-	Creating(id volumeid.ID) bool
-}
-
-// creatingIn finds the volume of key that is being created, if any.
-func creatingIn(ctrl backend.Controller, key string) (volumeid.ID, bool) {
-	c, ok := ctrl.(creator)
-	if !ok {
-		return volumeid.ID{}, false
-	}
+// creatingIn finds the volume of key that the backend is creating in the
+// background, if any: a retry goes to it, in its zone whatever room the
+// copy itself now takes there, rather than make another. A backend that
+// cannot tell fails the call: guessing "no" could make a second volume.
+func creatingIn(ctx context.Context, ctrl backend.Controller, key string) (volumeid.ID, bool, error) {
 	zones := ctrl.Zones()
 	if len(zones) == 0 {
 		zones = []string{""}
 	}
 	for _, zone := range zones {
-		if id, err := volumeid.New(ctrl.Backend(), zone, volumeid.Volume, key); err == nil && c.Creating(id) {
-			return id, true
+		id, err := volumeid.New(ctrl.Backend(), zone, volumeid.Volume, key)
+		if err != nil {
+			continue
+		}
+		creating, err := ctrl.Creating(ctx, id)
+		if err != nil {
+			return volumeid.ID{}, false, withContext(err, "cannot tell whether volume %s is being created in %s, so none is made elsewhere meanwhile", id, zoneName(zone))
+		}
+		if creating {
+			return id, true, nil
 		}
 	}
-	return volumeid.ID{}, false
+	return volumeid.ID{}, false, nil
 }
 
 // resumeCreation hands a retry to the backend's creation in progress, which

@@ -345,8 +345,8 @@ func (d *Driver) releaseHolderDevice(ctx context.Context, volumeID string, h acc
 	if err != nil {
 		return
 	}
-	rd, ok := nb.(readOnlyDevices)
-	if !ok {
+	rd := nb.ReadOnlyDevices()
+	if rd == nil {
 		return
 	}
 	if err := rd.ReleaseDevice(ctx, id, h.Device); err != nil {
@@ -362,18 +362,6 @@ func (d *Driver) releaseDropped(ctx context.Context, before, after *nodestate.Re
 			d.releaseHolderDevice(ctx, before.VolumeID, h)
 		}
 	}
-}
-
-// readOnlyDevices is what a node backend offers when it can give one
-// workload a read-only view of a volume staged read/write (block: a second,
-// read-only loop device of the same image).
-type readOnlyDevices interface {
-	FreeDevice(ctx context.Context) (string, error)
-	ReadOnlyDevice(ctx context.Context, staged *backend.Staged, device string) error
-	ReleaseDevice(ctx context.Context, id volumeid.ID, device string) error
-	// RefreshDevice makes such a device see the volume's new size; false
-	// means the device is no longer the volume's and was left alone.
-	RefreshDevice(ctx context.Context, id volumeid.ID, device string) (bool, error)
 }
 
 // mountAt returns what the mount table shows at p, nil for nothing.

@@ -1,6 +1,7 @@
 package driver_test
 
 import (
+	"context"
 	"sync/atomic"
 	"testing"
 
@@ -11,7 +12,9 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/mounts"
+	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
 // TestMountCheckErrorFailsClosed_FakeMountTable: the driver's mount checks
@@ -60,5 +63,30 @@ func TestMountCheckErrorFailsClosed_FakeMountTable(t *testing.T) {
 	}
 	if n := mountsAt(t, first); n != 1 {
 		t.Errorf("the first pod's mount: %d mounts, want 1", n)
+	}
+}
+
+// cannotTellCreations is a controller that cannot say whether a volume is
+// being created, as a storage target of an older version cannot.
+type cannotTellCreations struct{ backend.Controller }
+
+func (cannotTellCreations) Creating(context.Context, volumeid.ID) (bool, error) {
+	return false, status.Error(codes.Unavailable, "the storage target does not serve Creating")
+}
+
+// TestCreateVolumeFailsClosedWhenCreationsCannotBeTold: not knowing
+// whether the backend is creating the volume in the background is no "no":
+// a volume made then could be a second one, in another zone. The call
+// answers UNAVAILABLE, which the CO retries, and makes nothing.
+func TestCreateVolumeFailsClosedWhenCreationsCannotBeTold(t *testing.T) {
+	e := newEnv(t, 0, func(e *env) {
+		e.wrap = func(c backend.Controller) backend.Controller { return cannotTellCreations{c} }
+	})
+	_, err := e.createBlock(ctx(t), "unsure", volumeSize, nil)
+	if status.Code(err) != codes.Unavailable {
+		t.Fatalf("CreateVolume while the backend cannot tell its creations: %v, want UNAVAILABLE", err)
+	}
+	if list, err := e.ctrl.ListVolumes(ctx(t), &csi.ListVolumesRequest{}); err != nil || len(list.GetEntries()) != 0 {
+		t.Fatalf("ListVolumes after the refusal: %v, %v; want none", list, err)
 	}
 }

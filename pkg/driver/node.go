@@ -670,8 +670,8 @@ func (s *nodeServer) publish(ctx context.Context, id volumeid.ID, nb backend.Nod
 // since, is left alone). Another process may take the named device before
 // it is bound; then the next free one is tried.
 func (s *nodeServer) readOnlyDevice(ctx context.Context, id volumeid.ID, nb backend.Node, staged *backend.Staged, rec *nodestate.Record, want *accessmode.Holder) error {
-	rd, ok := nb.(readOnlyDevices)
-	if !ok {
+	rd := nb.ReadOnlyDevices()
+	if rd == nil {
 		return status.Errorf(codes.FailedPrecondition,
 			"volume %s is staged read/write and its backend cannot make a read-only device for a read-only publish", id)
 	}
@@ -838,8 +838,8 @@ func (s *nodeServer) stagedAt(raw, path string) (volumeid.ID, backend.Node, *nod
 // they are readers of the same image as the staged device, and see only
 // what their own device shows.
 func (s *nodeServer) refreshHolderDevices(ctx context.Context, id volumeid.ID, nb backend.Node, rec *nodestate.Record) error {
-	rd, ok := nb.(readOnlyDevices)
-	if !ok {
+	rd := nb.ReadOnlyDevices()
+	if rd == nil {
 		return nil
 	}
 	for _, h := range rec.Holders {

@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"os"
 	"path/filepath"
@@ -61,6 +62,11 @@ type env struct {
 	attachDelay time.Duration
 	// fenceFile is the controller's --fence-file ("": none).
 	fenceFile string
+	// otherPools are the pools of zones besides the node's (zone ->
+	// directory), which the controller serves too (withPool).
+	otherPools map[string]string
+	// wrap, when set, is put around the block controller the driver gets.
+	wrap func(backend.Controller) backend.Controller
 
 	d      *driver.Driver
 	srv    *grpc.Server
@@ -89,6 +95,9 @@ func newEnv(t *testing.T, maxVolumes int64, opts ...func(*env)) *env {
 	dirs := []string{e.pool, e.stateDir, filepath.Join(root, "staging"), filepath.Join(root, "targets")}
 	if e.fenceFile != "" {
 		dirs = append(dirs, filepath.Dir(e.fenceFile))
+	}
+	for _, dir := range e.otherPools {
+		dirs = append(dirs, dir)
 	}
 	for _, d := range dirs {
 		if err := os.MkdirAll(d, 0o700); err != nil {
@@ -119,11 +128,22 @@ func onReflinkPool(t *testing.T) func(*env) {
 	}
 }
 
+// withPool gives the controller a pool of another zone at dir.
+func withPool(zone, dir string) func(*env) {
+	return func(e *env) {
+		if e.otherPools == nil {
+			e.otherPools = map[string]string{}
+		}
+		e.otherPools[zone] = dir
+	}
+}
+
 // start builds a driver process the way cmd/modeguard does (fresh backends
-// reading the pool, a driver on the same state dir, Reconcile) and serves it.
+// reading the pools, a driver on the same state dir, Reconcile) and serves it.
 func (e *env) start(t *testing.T) {
 	t.Helper()
 	pools := map[string]string{testZone: e.pool}
+	maps.Copy(pools, e.otherPools)
 	ctrl, err := block.NewController(pools)
 	if err != nil {
 		t.Fatal(err)
@@ -208,12 +228,16 @@ func unmountNewestFirst(t *testing.T, root string) {
 
 func (e *env) nodeID() string { return e.d.NodeID() }
 
-// controller is the block backend as the driver gets it (see attachDelay).
+// controller is the block backend as the driver gets it (see attachDelay
+// and wrap).
 func (e *env) controller(c backend.Controller) backend.Controller {
-	if e.attachDelay == 0 {
-		return c
+	if e.attachDelay != 0 {
+		c = slowAttach{Controller: c, delay: e.attachDelay}
 	}
-	return slowAttach{Controller: c, delay: e.attachDelay}
+	if e.wrap != nil {
+		c = e.wrap(c)
+	}
+	return c
 }
 
 // slowAttach is the real block controller with a pause before each

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"os"
 	"os/exec"
+	"strings"
 	"testing"
 	"time"
 
@@ -84,12 +85,22 @@ func CleanupUnder(t testing.TB, dir string) {
 // ReflinkXFS mounts a fresh xfs made with reflink=1 on a new temp dir and
 // returns the dir: a pool filesystem where a copy is a clone sharing
 // extents (FICLONE), as on a production pool that can snapshot volumes in
-// use. The filesystem lives in a sparse image next to the dir, of the given
-// size in bytes (xfs wants at least 300 MiB). Cleanup as Tmpfs; the loop
-// device mount(8) made goes with the unmount.
+// use. Of the given size in bytes (xfs wants at least 300 MiB); see
+// LoopFilesystem.
 func ReflinkXFS(t testing.TB, size int64) string {
 	t.Helper()
-	dir, err := os.MkdirTemp("", "modeguard-reflink-")
+	return LoopFilesystem(t, size, "xfs", "-q", "-m", "reflink=1")
+}
+
+// LoopFilesystem mounts a fresh filesystem of type fsType, made by
+// mkfs.<fsType> with mkfsArgs, on a new temp dir and returns the dir: a
+// pool of a size of its own (in bytes) on the machine's disk, where a copy
+// moves real bytes and fills only that pool. The filesystem lives in a
+// sparse image next to the dir. Cleanup as Tmpfs; the loop device
+// mount(8) made goes with the unmount.
+func LoopFilesystem(t testing.TB, size int64, fsType string, mkfsArgs ...string) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "modeguard-"+fsType+"-")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -102,13 +113,13 @@ func ReflinkXFS(t testing.TB, size int64) string {
 		cleanupImage()
 		t.Fatal(err)
 	}
-	if out, err := exec.Command("mkfs.xfs", "-q", "-m", "reflink=1", image).CombinedOutput(); err != nil {
+	if out, err := exec.Command("mkfs."+fsType, append(mkfsArgs, image)...).CombinedOutput(); err != nil {
 		cleanupImage()
-		t.Fatalf("mkfs.xfs -m reflink=1: %v: %s", err, out)
+		t.Fatalf("mkfs.%s %s: %v: %s", fsType, strings.Join(mkfsArgs, " "), err, out)
 	}
-	if out, err := exec.Command("mount", "-t", "xfs", "-o", "loop", image, dir).CombinedOutput(); err != nil {
+	if out, err := exec.Command("mount", "-t", fsType, "-o", "loop", image, dir).CombinedOutput(); err != nil {
 		cleanupImage()
-		t.Fatalf("mounting the reflink xfs: %v: %s", err, out)
+		t.Fatalf("mounting the %s image: %v: %s", fsType, err, out)
 	}
 	t.Cleanup(func() {
 		CleanupUnder(t, dir)
@@ -122,7 +133,7 @@ func ReflinkXFS(t testing.TB, size int64) string {
 			}
 		}
 		if err != nil {
-			t.Errorf("unmounting the reflink xfs %s: %v", dir, err)
+			t.Errorf("unmounting the %s at %s: %v", fsType, dir, err)
 		}
 		cleanupImage()
 	})

@@ -273,6 +273,14 @@ func (c *Controller) startCopy(id string, job *copyJob, finish func(context.Cont
 	return job
 }
 
+// Creating reports whether volume id is being created by a background copy
+// (a restore or a clone that outlasted its call): not there yet, but a
+// retry must wait for it (see backend.ControllerCapabilities).
+func (c *Controller) Creating(_ context.Context, id volumeid.ID) (bool, error) {
+	job := c.copyJobFor(id.String())
+	return job != nil && job.vol != nil, nil
+}
+
 func (c *Controller) copyJobFor(id string) *copyJob {
 	c.mu.Lock()
 	defer c.mu.Unlock()

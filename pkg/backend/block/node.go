@@ -720,6 +720,10 @@ func (n *Node) Owns(ctx context.Context, id volumeid.ID, m *mounts.Mount) (bool,
 	return ours, nil
 }
 
+// ReadOnlyDevices: a read-only publish of a raw block volume staged
+// read/write gets a loop device of its own, bound read-only to the image.
+func (n *Node) ReadOnlyDevices() backend.ReadOnlyDevices { return n }
+
 // FreeDevice names a free loop device for ReadOnlyDevice, so that the
 // caller can record it before anything is bound to it.
 func (n *Node) FreeDevice(ctx context.Context) (string, error) {

@@ -297,6 +297,7 @@ func TestLongSnapshotCopyOutlivesTheCall(t *testing.T) {
 	if all, _ := f.ctrl.ListSnapshots(context.Background()); len(all) != 1 || !all[0].Cutting {
 		t.Fatalf("ListSnapshots during the copy: %+v; want the snapshot, not ready", all)
 	}
+	wantCreating(t, f, sid, false) // a snapshot is no volume in the making
 	restore := mountSpec(t, "zone-a", "too-early", "", 512*mib)
 	restore.AccessType = accessmode.Block
 	restore.Source = &backend.Source{SnapshotID: sid.String()}
@@ -327,6 +328,7 @@ func TestLongSnapshotCopyOutlivesTheCall(t *testing.T) {
 	restored.Source = &backend.Source{SnapshotID: sid.String()}
 	_, err = f.ctrl.CreateVolume(shortCall(t), restored)
 	wantCode(t, err, codes.Aborted)
+	wantCreating(t, f, restored.ID, true)
 	other := restored
 	other.CapacityBytes = 1024 * mib
 	_, err = f.ctrl.CreateVolume(context.Background(), other)
@@ -347,6 +349,7 @@ func TestLongSnapshotCopyOutlivesTheCall(t *testing.T) {
 	if n := copiesStarted.Load() - started; n != 1 {
 		t.Fatalf("%d copies started for one restore and its retries, want 1", n)
 	}
+	wantCreating(t, f, restored.ID, false)
 	if !sameFiles(t, imageOf(t, f, spec.ID), imageOf(t, f, restored.ID)) {
 		t.Fatal("the restored image differs from the snapshot's source")
 	}
@@ -402,7 +405,17 @@ func TestLongSnapshotCopyOutlivesTheCall(t *testing.T) {
 	if exists(imageOf(t, f, dropped.ID)) {
 		t.Fatal("a cancelled restore left its image")
 	}
+	wantCreating(t, f, dropped.ID, false)
 	cancelledCleanly("restore", filepath.Dir(imageOf(t, f, dropped.ID)))
+}
+
+// wantCreating checks what the controller says of a creation in the
+// background of id.
+func wantCreating(t *testing.T, f *fixture, id volumeid.ID, want bool) {
+	t.Helper()
+	if creating, err := f.ctrl.Creating(context.Background(), id); err != nil || creating != want {
+		t.Fatalf("Creating(%s) = %v, %v; want %v", id, creating, err, want)
+	}
 }
 
 func sameFiles(t *testing.T, a, b string) bool {

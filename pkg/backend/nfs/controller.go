@@ -233,6 +233,10 @@ func (c *Controller) Zones() []string { return nil }
 // NodeExpansionRequired is false: a raised quota is what clients see at once.
 func (c *Controller) NodeExpansionRequired(*backend.Volume) bool { return false }
 
+// Creating is always false: a volume's copy of its source ends with the
+// CreateVolume that makes it.
+func (c *Controller) Creating(context.Context, volumeid.ID) (bool, error) { return false, nil }
+
 func (c *Controller) volumeRel(id volumeid.ID) string { return filepath.Join("volumes", id.FileName()) }
 func (c *Controller) snapshotRel(id volumeid.ID) string {
 	return filepath.Join("snapshots", id.FileName())

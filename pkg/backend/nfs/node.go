@@ -76,6 +76,10 @@ func exportSuffix(id string) (string, error) {
 
 func (n *Node) Backend() accessmode.Backend { return accessmode.BackendNFS }
 
+// ReadOnlyDevices is nil: NFS volumes are filesystems only, and the
+// kernel honours the read-only flag of a bind mount of one.
+func (n *Node) ReadOnlyDevices() backend.ReadOnlyDevices { return nil }
+
 // source reads the server and export path from the volume context the
 // controller produced, refusing anything that is not plainly an address and
 // an export path.

@@ -140,6 +140,14 @@ func (c *Client) CreateVolume(ctx context.Context, spec backend.VolumeSpec) (*ba
 	return call[*backend.Volume](ctx, c, "CreateVolume", spec)
 }
 
+// Creating asks the target. A target older than this client does not serve
+// the method, which call turns into UNAVAILABLE: not knowing whether a
+// creation goes on there must not read as "no", or a retry of it would
+// make a second volume in another zone.
+func (c *Client) Creating(ctx context.Context, id volumeid.ID) (bool, error) {
+	return call[bool](ctx, c, "Creating", idRequest{ID: id})
+}
+
 func (c *Client) Volume(ctx context.Context, id volumeid.ID) (*backend.Volume, error) {
 	return call[*backend.Volume](ctx, c, "Volume", idRequest{ID: id})
 }

@@ -26,15 +26,22 @@ func (c *clock) add(d time.Duration) {
 	c.t = c.t.Add(d)
 }
 
-// serveUnix serves ctrl's API with the lease on clk's time.
-func serveUnix(t *testing.T, clk *clock) string {
+// serveLeased serves a block controller's API with the lease on clk's time.
+func serveLeased(t *testing.T, clk *clock) string {
+	t.Helper()
+	return serveUnix(t, handler(blockController(t), clk.now))
+}
+
+// serveUnix serves h on a unix socket, as a target on the controller's
+// host does, and returns the address to dial.
+func serveUnix(t *testing.T, h http.Handler) string {
 	t.Helper()
 	sock := filepath.Join(t.TempDir(), "target.sock")
 	lis, err := net.Listen("unix", sock)
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := &http.Server{Handler: handler(blockController(t), clk.now)}
+	srv := &http.Server{Handler: h}
 	go srv.Serve(lis)
 	t.Cleanup(func() { srv.Close() })
 	return "unix://" + sock
@@ -54,7 +61,7 @@ func dial(t *testing.T, addr string) *Client {
 // nothing answered meanwhile; it takes over once the first gives the
 // lease back.
 func TestSecondControllerWaitsForTheLease(t *testing.T) {
-	addr := serveUnix(t, &clock{t: time.Now()})
+	addr := serveLeased(t, &clock{t: time.Now()})
 	first, second := dial(t, addr), dial(t, addr)
 	hold(t, first, "controller-1")
 	ctx, cancel := context.WithTimeout(context.Background(), 1500*time.Millisecond)
@@ -81,7 +88,7 @@ func TestSecondControllerWaitsForTheLease(t *testing.T) {
 // it comes back: it cannot act next to its successor.
 func TestStaleControllerIsRefused(t *testing.T) {
 	clk := &clock{t: time.Now()}
-	addr := serveUnix(t, clk)
+	addr := serveLeased(t, clk)
 	first, second := dial(t, addr), dial(t, addr)
 	hold(t, first, "controller-1")
 	clk.add(LeaseTerm + time.Second)
@@ -103,7 +110,7 @@ func TestStaleControllerIsRefused(t *testing.T) {
 // A target that takes connections but never answers is waited for with a
 // message at every try, not silently forever.
 func TestHoldSaysItWaitsForASilentTarget(t *testing.T) {
-	addr := serveUnix(t, &clock{t: time.Now()})
+	addr := serveLeased(t, &clock{t: time.Now()})
 	c := dial(t, addr)
 	sock := filepath.Join(t.TempDir(), "silent.sock")
 	lis, err := net.Listen("unix", sock)

@@ -10,7 +10,9 @@
 // Every method is a POST of a JSON body to /v1/<Method>; the answer is a
 // JSON envelope holding either the result or an error with its gRPC code
 // and message, so that a target's NOT_FOUND or RESOURCE_EXHAUSTED reaches
-// the CO unchanged. A target that cannot be reached is UNAVAILABLE.
+// the CO unchanged. A target that cannot be reached is UNAVAILABLE, and so
+// is a method the target does not serve (one of an older version): a call
+// it cannot answer is waited for, never taken for a "no".
 //
 // # Authentication
 //
@@ -113,6 +115,13 @@ func call[Resp, Req any](ctx context.Context, c *Client, method string, req Req)
 	data, err := io.ReadAll(io.LimitReader(hresp.Body, maxResponse))
 	if err != nil {
 		return resp, status.Errorf(codes.Unavailable, "storage target %s: %s: reading the answer: %v", c.name, method, err)
+	}
+	if hresp.StatusCode == http.StatusNotFound {
+		// The API's paths are its methods: a target of an older version
+		// than the controller's lacks the newer ones, and is waited for
+		// like a target that is down.
+		return resp, status.Errorf(codes.Unavailable, "storage target %s does not serve %s (%s), as a target older than this controller does not; upgrade it",
+			c.name, method, bytes.TrimSpace(data))
 	}
 	if hresp.StatusCode != http.StatusOK {
 		return resp, status.Errorf(codes.Unavailable, "storage target %s: %s: %s: %s", c.name, method, hresp.Status, bytes.TrimSpace(data))

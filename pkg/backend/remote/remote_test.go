@@ -8,7 +8,6 @@ import (
 	"log"
 	"net"
 	"net/http"
-	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
@@ -139,6 +138,9 @@ func TestClientIsTheTargetsController(t *testing.T) {
 	if v, err := c.ModifyVolume(ctx, vid, map[string]string{"readAheadKiB": "1024"}); err != nil || v.MutableParameters["readAheadKiB"] != "1024" {
 		t.Fatalf("ModifyVolume = %+v, %v", v, err)
 	}
+	if creating, err := c.Creating(ctx, vid); err != nil || creating {
+		t.Fatalf("Creating(a volume made) = %v, %v", creating, err)
+	}
 	if h, err := c.VolumeHealth(ctx, vid); err != nil || h.Abnormal {
 		t.Fatalf("VolumeHealth = %+v, %v", h, err)
 	}
@@ -235,20 +237,8 @@ func TestMutualTLSRefusesStrangers(t *testing.T) {
 
 // On one host the API is a unix socket.
 func TestUnixSocket(t *testing.T) {
-	ctrl := blockController(t)
-	sock := filepath.Join(t.TempDir(), "target.sock")
-	lis, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := &http.Server{Handler: Handler(ctrl)}
-	go srv.Serve(lis)
-	defer srv.Close()
-	c, err := Dial(context.Background(), Target{Address: "unix://" + sock})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	addr := serveUnix(t, Handler(blockController(t)))
+	c := dial(t, addr)
 	hold(t, c, "controller-1")
 	if list, err := c.ListVolumes(context.Background()); err != nil || len(list) != 0 {
 		t.Fatalf("ListVolumes = %v, %v", list, err)
@@ -263,7 +253,7 @@ func TestUnixSocket(t *testing.T) {
 	}
 	req.Header.Set(holderHeader, "controller-1")
 	resp, err := (&http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-		return (&net.Dialer{}).DialContext(ctx, "unix", sock)
+		return (&net.Dialer{}).DialContext(ctx, "unix", strings.TrimPrefix(addr, "unix://"))
 	}}}).Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -272,5 +262,22 @@ func TestUnixSocket(t *testing.T) {
 	var env envelope
 	if err := jsonDecode(resp.Body, &env); err != nil || env.Error == nil || env.Error.Code != codes.InvalidArgument {
 		t.Fatalf("an unknown field: %+v, %v", env, err)
+	}
+}
+
+// A target of an older version does not serve Creating. Not knowing
+// whether a volume is being created there is no "no" (a retry of that
+// creation would make a second volume in another zone): the client says
+// UNAVAILABLE, which the CO retries, and names the cause.
+func TestOlderTargetCannotTellCreations(t *testing.T) {
+	older := http.NewServeMux()
+	older.HandleFunc("/v1/Creating", http.NotFound)
+	older.Handle("/", Handler(blockController(t)))
+	c := dial(t, serveUnix(t, older))
+	hold(t, c, "controller-1")
+	_, err := c.Creating(context.Background(), id(t, volumeid.Volume, "vol-1"))
+	wantCode(t, "Creating on a target that does not serve it", err, codes.Unavailable)
+	if !strings.Contains(err.Error(), "older") {
+		t.Fatalf("the refusal does not say why: %v", err)
 	}
 }

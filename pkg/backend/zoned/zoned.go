@@ -108,6 +108,16 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 	return p.CreateVolume(ctx, spec)
 }
 
+// Creating asks the controller of the volume's zone, where its creation
+// would be going on.
+func (c *Controller) Creating(ctx context.Context, id volumeid.ID) (bool, error) {
+	p, err := c.part(id.Zone)
+	if err != nil {
+		return false, err
+	}
+	return p.Creating(ctx, id)
+}
+
 func (c *Controller) Volume(ctx context.Context, id volumeid.ID) (*backend.Volume, error) {
 	p, err := c.part(id.Zone)
 	if err != nil {

@@ -1,0 +1,53 @@
+package backend
+
+import (
+	"context"
+
+	"github.com/modeguard/modeguard/pkg/volumeid"
+)
+
+// What a backend may or may not be able to do beyond the basics is
+// declared here, and nowhere else, as methods of the Controller and Node
+// interfaces. Every backend answers each of them, a backend without the
+// capability explicitly (false, nil), and so does every wrapper (a
+// controller joining zones, a client of a storage target): a wrapper that
+// does not pass one on does not compile, where a capability found by a
+// type assertion on the wrapped value would quietly be lost in it.
+
+// ControllerCapabilities are the optional abilities of a controller.
+type ControllerCapabilities interface {
+	// Creating reports whether volume id is being created in the
+	// background: a CreateVolume whose copy of its source outlasted the
+	// call goes on after it, so the volume is not there yet but a retry
+	// must go to that creation, in its zone whatever room the copy itself
+	// now takes there, rather than make another volume elsewhere. A
+	// backend whose creations end with their call answers false. An error
+	// means it cannot tell, and the caller must not guess "no".
+	Creating(ctx context.Context, id volumeid.ID) (bool, error)
+}
+
+// NodeCapabilities are the optional abilities of a node backend.
+type NodeCapabilities interface {
+	// ReadOnlyDevices returns the node's read-only devices of volumes
+	// staged read/write, or nil where the node has none to give.
+	ReadOnlyDevices() ReadOnlyDevices
+}
+
+// ReadOnlyDevices gives one workload a read-only view of a raw block
+// volume staged read/write: the kernel ignores the read-only flag of a
+// bind mount of a device node, so only a device that is itself read-only
+// keeps that workload from writing (block: a second, read-only loop device
+// of the same image).
+type ReadOnlyDevices interface {
+	// FreeDevice names a free device, so that the caller can record it
+	// before anything is bound to it.
+	FreeDevice(ctx context.Context) (string, error)
+	// ReadOnlyDevice binds the staged volume, read-only, at device.
+	ReadOnlyDevice(ctx context.Context, staged *Staged, device string) error
+	// ReleaseDevice undoes ReadOnlyDevice, if device is still the
+	// volume's (one since reused for something else is left alone).
+	ReleaseDevice(ctx context.Context, id volumeid.ID, device string) error
+	// RefreshDevice makes such a device see the volume's new size; false
+	// means the device is no longer the volume's and was left alone.
+	RefreshDevice(ctx context.Context, id volumeid.ID, device string) (bool, error)
+}
