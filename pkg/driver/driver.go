@@ -67,6 +67,10 @@ type Config struct {
 	// MountTable is where the node reads what is mounted; the zero value
 	// reads the kernel's.
 	MountTable mounts.Table
+	// Mounter makes the bind mounts a publish gives a workload; nil is
+	// the kernel's. A Mounter of its own goes with a MountTable that reads
+	// what it mounts.
+	Mounter mounts.Mounter
 	// BootIDFile is where the kernel's boot id is read
 	// (nodestate.BootIDFile when empty).
 	BootIDFile string
@@ -366,6 +370,14 @@ func (d *Driver) releaseDropped(ctx context.Context, before, after *nodestate.Re
 
 // mountAt returns what the mount table shows at p, nil for nothing.
 func (d *Driver) mountAt(p string) (*mounts.Mount, error) { return d.cfg.MountTable.At(p) }
+
+// mounter is the Mounter the node makes its bind mounts with.
+func (d *Driver) mounter() mounts.Mounter {
+	if d.cfg.Mounter == nil {
+		return mounts.Kernel{}
+	}
+	return d.cfg.Mounter
+}
 
 // isMounted reports whether p is a mount point (bind mounts included),
 // from the mount table; an error means it could not be told.

@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
@@ -698,11 +697,7 @@ func (s *nodeServer) readOnlyDevice(ctx context.Context, id volumeid.ID, nb back
 }
 
 // bindMount makes the staged volume visible at target: the staging mount for
-// a filesystem, the device for raw block. It calls mount(2) itself rather
-// than running mount(8): a bind mount needs nothing the command adds (no
-// helper, no fstab, no mtab), and the command costs a fork and exec on every
-// publish. A read-only bind takes a second call (the kernel ignores
-// MS_RDONLY on the first) and is undone if that fails.
+// a filesystem, the device for raw block.
 func (s *nodeServer) bindMount(staged *backend.Staged, target string, readOnly bool, device string) error {
 	source := staged.StagingPath
 	if staged.AccessType == accessmode.Block {
@@ -721,23 +716,14 @@ func (s *nodeServer) bindMount(staged *backend.Staged, target string, readOnly b
 	} else if err := os.MkdirAll(target, 0o750); err != nil {
 		return status.Errorf(codes.Internal, "creating the target directory %s: %v", target, err)
 	}
-	if err := unix.Mount(source, target, "", unix.MS_BIND, ""); err != nil {
-		return status.Errorf(codes.Internal, "bind-mounting %s at %s: %v", source, target, err)
-	}
-	if readOnly {
-		if err := unix.Mount("", target, "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY, ""); err != nil {
-			if uerr := unix.Unmount(target, unix.UMOUNT_NOFOLLOW); uerr != nil {
-				klog.ErrorS(uerr, "Undoing a bind mount that could not be made read-only", "target", target)
-			}
-			return status.Errorf(codes.Internal, "making the bind mount at %s read-only: %v", target, err)
-		}
+	if err := s.d.mounter().Bind(source, target, readOnly); err != nil {
+		return status.Error(codes.Internal, err.Error())
 	}
 	return nil
 }
 
-// unmountAll removes every mount stacked at p and then p itself, with
-// umount(2) directly (see bindMount); UMOUNT_NOFOLLOW so that a symlink put
-// at p cannot redirect the unmount.
+// unmountAll removes every mount stacked at p and then p itself; the
+// Mounter never follows a symbolic link put at p.
 func (d *Driver) unmountAll(p string) error {
 	for i := 0; ; i++ {
 		mounted, err := d.isMounted(p)
@@ -750,8 +736,8 @@ func (d *Driver) unmountAll(p string) error {
 		if i == 16 {
 			return fmt.Errorf("%s is still mounted after 16 unmounts", p)
 		}
-		if err := unix.Unmount(p, unix.UMOUNT_NOFOLLOW); err != nil {
-			return fmt.Errorf("umount %s: %w", p, err)
+		if err := d.mounter().Unmount(p); err != nil {
+			return err
 		}
 	}
 	if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
