@@ -1,5 +1,8 @@
 package driver
 
+// The Identity service: the driver's name, its plugin capabilities, and a
+// Probe that answers ready once every role can take calls.
+
 import (
 	"context"
 

@@ -1,5 +1,10 @@
 package driver
 
+// The Node service: stage, publish, unpublish, unstage, expand and stats
+// on this node, with the workload holders (the on-node lock files) that
+// decide which workloads may hold a volume, kept in package nodestate and
+// checked against the mount table before they are trusted.
+
 import (
 	"context"
 	"crypto/sha256"

@@ -1,5 +1,8 @@
 package driver
 
+// Per-volume operation locks: a second call on a volume in flight is
+// ABORTED at once rather than queued.
+
 import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"

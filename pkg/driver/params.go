@@ -1,5 +1,8 @@
 package driver
 
+// StorageClass parameters and mutable parameters: their keys, the values
+// each accepts, and their parsing into what a backend is asked for.
+
 import (
 	"fmt"
 	"maps"

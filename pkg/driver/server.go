@@ -1,5 +1,8 @@
 package driver
 
+// The gRPC endpoint: the socket it listens on, and the server with the
+// services this process's roles serve.
+
 import (
 	"context"
 	"fmt"
