@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io/fs"
 	"math/rand/v2"
-	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -1104,16 +1103,6 @@ func logTail(path string, lines int) string {
 	return strings.Join(all, "\n")
 }
 
-func freePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
-}
-
 // goroutines reads go_goroutines from a process's metrics. Keep-alives
 // are off so that the scrape leaves no connection (and no goroutine
 // serving it) behind in the process measured.
@@ -1174,8 +1163,8 @@ func TestThousandLifecyclesLeakNothing(t *testing.T) {
 	}
 	poolArg := "--block-pool=zone-a=" + pool
 	metrics := map[string]string{
-		"controller": fmt.Sprintf("127.0.0.1:%d", freePort(t)),
-		"node":       fmt.Sprintf("127.0.0.1:%d", freePort(t)),
+		"controller": fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)),
+		"node":       fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)),
 	}
 	ctrl := &crashProc{t: t, name: "controller", bin: bin, socket: filepath.Join(work, "c.sock"), log: filepath.Join(work, "controller.log"),
 		args: []string{"--roles", "controller", poolArg, "--metrics-address=" + metrics["controller"]}}

@@ -10,7 +10,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -108,31 +107,9 @@ func serveThroughTarget(t *testing.T, ctrl backend.Controller) backend.Controlle
 // stats, size limits — is real.
 func RunNFSWithFakeKernelMount(t *testing.T) {
 	testenv.RequireRoot(t)
-	for _, cmd := range []string{"ganesha.nfsd", "dbus-daemon", "mkfs.xfs"} {
-		if _, err := exec.LookPath(cmd); err != nil {
-			t.Skipf("needs %s (Debian packages nfs-ganesha nfs-ganesha-vfs dbus xfsprogs)", cmd)
-		}
-	}
 	root := testenv.Tmpfs(t, "256m") // staging, targets, state: the volumes live on disk
 	disk := t.TempDir()
-	port := freePort(t)
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
-	ctrl, stop, err := nfs.Setup(ctx, nfs.Options{
-		ExportRoot: filepath.Join(disk, "nfs"), PoolImageSize: 4 << 30, Storage: "auto",
-		Server: "127.0.0.1", Port: port, ListenAddress: "127.0.0.1", GaneshaDir: filepath.Join(disk, "ganesha"),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if t.Failed() {
-			data, _ := os.ReadFile(filepath.Join(disk, "ganesha", "ganesha.log"))
-			t.Logf("ganesha.log:\n%s", data)
-		}
-		stop()
-		testenv.CleanupUnder(t, disk)
-	})
+	ctrl := testenv.NFSController(t, disk, 4<<30)
 	cfg := sanity.NewTestConfig()
 	cfg.TestVolumeSize = ctrl.MinimumSize()
 	cfg.TestVolumeExpandSize = ctrl.MinimumSize() + 64<<20
@@ -208,15 +185,6 @@ func (b *bindInsteadOfNFS) At(path string) (*mounts.Mount, error) {
 		}
 	}
 	return m, nil
-}
-
-func freePort(t *testing.T) int {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
 }
 
 // run serves cfg's backends as one controller+node driver over a unix

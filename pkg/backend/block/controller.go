@@ -350,9 +350,9 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 		if err := finish(ctx); err != nil {
 			return nil, err
 		}
-		return cloneVolume(vol), nil
+		return vol.Clone(), nil
 	}
-	return c.awaitVolumeCopy(ctx, c.startCopy(id, &copyJob{vol: cloneVolume(vol)}, finish, m))
+	return c.awaitVolumeCopy(ctx, c.startCopy(id, &copyJob{vol: vol.Clone()}, finish, m))
 }
 
 // checkVolumeSpec refuses what no pool here can make and returns the pool
@@ -468,17 +468,9 @@ func formatsAtCreate(t accessmode.AccessType, modes []accessmode.Mode, source *b
 // sourceImage finds the image a new volume is copied from and checks that
 // it fits. The source may live in any zone's pool.
 func (c *Controller) sourceImage(src *backend.Source, capacity int64) (string, error) {
-	var (
-		raw  string
-		kind volumeid.Kind
-	)
-	switch {
-	case src.SnapshotID != "" && src.VolumeID != "":
-		return "", status.Error(codes.InvalidArgument, "a volume has one source: a snapshot or a volume, not both")
-	case src.SnapshotID != "":
-		raw, kind = src.SnapshotID, volumeid.Snapshot
-	default:
-		raw, kind = src.VolumeID, volumeid.Volume
+	raw, kind, err := src.Object()
+	if err != nil {
+		return "", err
 	}
 	id, err := volumeid.ParseKind(raw, kind)
 	if err != nil {
@@ -528,11 +520,7 @@ func (c *Controller) sourceImage(src *backend.Source, capacity int64) (string, e
 func (c *Controller) Volume(ctx context.Context, id volumeid.ID) (*backend.Volume, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	v, ok := c.volumes[id.String()]
-	if !ok {
-		return nil, status.Errorf(codes.NotFound, "volume %s does not exist", id)
-	}
-	return cloneVolume(v), nil
+	return backend.RecordedVolume(c.volumes, id)
 }
 
 // DeleteVolume removes the metadata, then the image, so that a crash in
@@ -634,7 +622,7 @@ func (c *Controller) updateVolume(ctx context.Context, id volumeid.ID, change fu
 	}
 	fpVolumeUpdated.Hit()
 	c.mu.Lock()
-	c.putVolume(cloneVolume(v))
+	c.putVolume(v.Clone())
 	c.mu.Unlock()
 	return v, nil
 }
@@ -716,7 +704,7 @@ func (c *Controller) ListVolumes(ctx context.Context) ([]*backend.Volume, error)
 	c.mu.Lock()
 	out := make([]*backend.Volume, 0, len(c.volumes))
 	for _, v := range c.volumes {
-		out = append(out, cloneVolume(v))
+		out = append(out, v.Clone())
 	}
 	c.mu.Unlock()
 	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
@@ -727,7 +715,7 @@ func (c *Controller) ListVolumes(ctx context.Context) ([]*backend.Volume, error)
 func (c *Controller) VolumesOn(ctx context.Context, node string) ([]*backend.Volume, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.nodes.Volumes(node, func(id string) *backend.Volume { return cloneVolume(c.volumes[id]) }), nil
+	return c.nodes.Volumes(node, func(id string) *backend.Volume { return c.volumes[id].Clone() }), nil
 }
 
 // VolumeHealth checks that the image is there and as large as recorded,
@@ -933,19 +921,6 @@ func (c *Controller) ListSnapshots(ctx context.Context) ([]*backend.Snapshot, er
 	c.mu.Unlock()
 	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
 	return out, nil
-}
-
-func cloneVolume(v *backend.Volume) *backend.Volume {
-	out := *v
-	out.Modes = slices.Clone(v.Modes)
-	out.Parameters = maps.Clone(v.Parameters)
-	out.MutableParameters = maps.Clone(v.MutableParameters)
-	out.Attachments = slices.Clone(v.Attachments)
-	if v.Source != nil {
-		s := *v.Source
-		out.Source = &s
-	}
-	return &out
 }
 
 // ImagePath is where the volume's image is in its pool: what a storage

@@ -132,7 +132,7 @@ func (c *Controller) awaitVolumeCopy(ctx context.Context, job *copyJob) (*backen
 	if job.err != nil {
 		return nil, job.err
 	}
-	return cloneVolume(job.vol), nil
+	return job.vol.Clone(), nil
 }
 
 // cloneSource starts the copy of a new volume's source image into dst: a
