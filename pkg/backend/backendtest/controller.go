@@ -21,6 +21,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -44,7 +45,7 @@ type Properties struct {
 
 // NodeIDs are the nodes the suites attach volumes to: distinct keys, and
 // an address each, which the NFS backend puts in the export.
-var NodeIDs = []string{"contract-1@zone-a@10.99.250.11", "contract-2@zone-a@10.99.250.12"}
+var NodeIDs = []nodeid.Node{nodeid.MustParse("contract-1@zone-a@10.99.250.11"), nodeid.MustParse("contract-2@zone-a@10.99.250.12")}
 
 // contract is one backend under test.
 type contract struct {
@@ -71,6 +72,7 @@ func RunControllerContract(t *testing.T, props Properties, newController func(t 
 		{"AbsentVolume", k.absentVolume},
 		{"DeleteVolume", k.deleteVolume},
 		{"ListVolumesSorted", k.listVolumesSorted},
+		{"ReturnedVolumesAreCopies", k.returnedVolumesAreCopies},
 		{"Attachments", k.attachments},
 		{"ExpandVolume", k.expandVolume},
 		{"Capacity", k.capacity},
@@ -338,7 +340,7 @@ func (k *contract) absentVolume(t *testing.T) {
 	id := k.id(t, k.zones()[0], volumeid.Volume, "absent")
 	_, err := k.c.Volume(ctx(t), id)
 	wantCode(t, "Volume", err, codes.NotFound)
-	_, err = k.c.SetAttachments(ctx(t), id, []accessmode.Attachment{{NodeID: NodeIDs[0], Mode: accessmode.SingleNodeWriter}})
+	_, err = k.c.SetAttachments(ctx(t), id, []accessmode.Attachment{{Node: NodeIDs[0], Mode: accessmode.SingleNodeWriter}})
 	wantCode(t, "SetAttachments", err, codes.NotFound)
 	_, err = k.c.ExpandVolume(ctx(t), id, 2*k.size)
 	wantCode(t, "ExpandVolume", err, codes.NotFound)
@@ -399,6 +401,33 @@ func (k *contract) deleteVolume(t *testing.T) {
 	k.create(t, spec)
 }
 
+// returnedVolumesAreCopies: what a caller does with a volume it was given
+// (the driver fills in answers from it) never reaches the record.
+func (k *contract) returnedVolumesAreCopies(t *testing.T) {
+	spec := k.spec(t, k.zones()[0], "copies")
+	k.create(t, spec)
+	att := []accessmode.Attachment{{Node: NodeIDs[0], Mode: accessmode.MultiNodeMultiWriter}}
+	recorded := must[*backend.Volume](t, "SetAttachments")(k.c.SetAttachments(ctx(t), spec.ID, att))
+	scribble := func(v *backend.Volume) {
+		v.Modes[0] = accessmode.SingleNodeReaderOnly
+		v.Parameters["contract"] = "scribbled"
+		v.Attachments[0].ReadOnly = true
+	}
+	scribble(must[*backend.Volume](t, "Volume")(k.c.Volume(ctx(t), spec.ID)))
+	for _, v := range must[[]*backend.Volume](t, "ListVolumes")(k.c.ListVolumes(ctx(t))) {
+		if v.ID == recorded.ID {
+			scribble(v)
+		}
+	}
+	for _, v := range must[[]*backend.Volume](t, "VolumesOn")(k.c.VolumesOn(ctx(t), NodeIDs[0].Name)) {
+		if v.ID == recorded.ID {
+			scribble(v)
+		}
+	}
+	sameVolume(t, "the volume after its copies were changed", must[*backend.Volume](t, "Volume")(k.c.Volume(ctx(t), spec.ID)), recorded)
+	must[*backend.Volume](t, "SetAttachments")(k.c.SetAttachments(ctx(t), spec.ID, nil))
+}
+
 func (k *contract) listVolumesSorted(t *testing.T) {
 	var want []string
 	for _, zone := range k.zones() {
@@ -414,14 +443,14 @@ func (k *contract) attachments(t *testing.T) {
 	one, two := k.create(t, k.spec(t, zone, "one")), k.create(t, k.spec(t, zone, "two"))
 	oneID := must[volumeid.ID](t, "Parse")(volumeid.Parse(one.ID))
 	twoID := must[volumeid.ID](t, "Parse")(volumeid.Parse(two.ID))
-	key := func(i int) string { return accessmode.NodeKey(NodeIDs[i]) }
+	key := func(i int) string { return NodeIDs[i].Name }
 	on := func(node string) []string {
 		t.Helper()
 		return volumeIDs(must[[]*backend.Volume](t, "VolumesOn")(k.c.VolumesOn(ctx(t), node)))
 	}
 	both := []accessmode.Attachment{
-		{NodeID: NodeIDs[0], Mode: accessmode.MultiNodeMultiWriter},
-		{NodeID: NodeIDs[1], Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true},
+		{Node: NodeIDs[0], Mode: accessmode.MultiNodeMultiWriter},
+		{Node: NodeIDs[1], Mode: accessmode.MultiNodeReaderOnly, ReadOnly: true},
 	}
 	v := must[*backend.Volume](t, "SetAttachments")(k.c.SetAttachments(ctx(t), oneID, both))
 	if !slices.Equal(v.Attachments, both) {
@@ -439,7 +468,7 @@ func (k *contract) attachments(t *testing.T) {
 	if ids := on(key(1)); !slices.Equal(ids, []string{one.ID}) {
 		t.Fatalf("VolumesOn(%s) = %v, want %v", key(1), ids, []string{one.ID})
 	}
-	if ids := on(NodeIDs[0]); len(ids) != 0 {
+	if ids := on(NodeIDs[0].String()); len(ids) != 0 {
 		t.Fatalf("VolumesOn takes a node key, not a whole node id; VolumesOn(%s) = %v", NodeIDs[0], ids)
 	}
 
@@ -546,7 +575,7 @@ func (k *contract) modifyVolume(t *testing.T) {
 	// export), and keeps its attachments.
 	attached := k.spec(t, k.zones()[0], "attached")
 	k.create(t, attached)
-	att := []accessmode.Attachment{{NodeID: NodeIDs[0], Mode: accessmode.MultiNodeMultiWriter}}
+	att := []accessmode.Attachment{{Node: NodeIDs[0], Mode: accessmode.MultiNodeMultiWriter}}
 	before := must[*backend.Volume](t, "SetAttachments")(k.c.SetAttachments(ctx(t), attached.ID, att))
 	v = must[*backend.Volume](t, "ModifyVolume of an attached volume")(k.c.ModifyVolume(ctx(t), attached.ID, k.props.Mutable))
 	want = *before

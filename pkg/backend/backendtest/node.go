@@ -13,6 +13,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -51,7 +52,7 @@ func (k *nodeContract) attached(t *testing.T, name string, att accessmode.Attach
 	t.Helper()
 	spec := k.spec(t, k.zones()[0], name)
 	k.create(t, spec)
-	att.NodeID = NodeIDs[0]
+	att.Node = NodeIDs[0]
 	must[*backend.Volume](t, "SetAttachments")(k.c.SetAttachments(ctx(t), spec.ID, []accessmode.Attachment{att}))
 	t.Cleanup(func() {
 		// Detached before the deletion the creation registered, as a CO
@@ -63,9 +64,9 @@ func (k *nodeContract) attached(t *testing.T, name string, att accessmode.Attach
 	return spec.ID
 }
 
-func (k *nodeContract) request(t *testing.T, id volumeid.ID, node string, readOnly bool) backend.StageRequest {
+func (k *nodeContract) request(t *testing.T, id volumeid.ID, node nodeid.Node, readOnly bool) backend.StageRequest {
 	return backend.StageRequest{
-		VolumeID: id, NodeID: node, StagingPath: filepath.Join(t.TempDir(), "staging"),
+		VolumeID: id, Node: node, StagingPath: filepath.Join(t.TempDir(), "staging"),
 		AccessType: k.props.AccessType, ReadOnly: readOnly, CapacityBytes: k.size,
 	}
 }
@@ -75,7 +76,7 @@ func (k *nodeContract) stage(t *testing.T, req backend.StageRequest) *backend.St
 	t.Helper()
 	staged, err := k.n.Stage(ctx(t), req)
 	if err != nil {
-		t.Fatalf("Stage %s as %s: %v", req.VolumeID, req.NodeID, err)
+		t.Fatalf("Stage %s as %s: %v", req.VolumeID, req.Node, err)
 	}
 	t.Cleanup(func() {
 		if err := k.n.Unstage(context.Background(), staged); err != nil {
@@ -144,7 +145,7 @@ func (k *nodeContract) stageCheckUnstage(t *testing.T) {
 // restarted under another address is the node the volume is attached to.
 func (k *nodeContract) stageUnderANewAddress(t *testing.T) {
 	id := k.attached(t, "moved", writer())
-	k.stage(t, k.request(t, id, accessmode.NodeKey(NodeIDs[0])+"@zone-a@10.99.250.99", false))
+	k.stage(t, k.request(t, id, nodeid.Node{Name: NodeIDs[0].Name, Zone: NodeIDs[0].Zone, Address: "10.99.250.99"}, false))
 }
 
 // expand: after the controller grew the volume, the node sees the new

@@ -287,6 +287,15 @@ func (c *Controller) checkSource(src *backend.Source, capacity int64) (*backend.
 	return &out, nil
 }
 
+// Creating answers false: this backend's creations end with their call.
+// A fault set on it (FailNext) is how a test makes it unable to tell.
+func (c *Controller) Creating(ctx context.Context, id volumeid.ID) (bool, error) {
+	if err := c.enter(ctx, "Creating"); err != nil {
+		return false, err
+	}
+	return false, nil
+}
+
 func (c *Controller) Volume(ctx context.Context, id volumeid.ID) (*backend.Volume, error) {
 	if err := c.enter(ctx, "Volume"); err != nil {
 		return nil, err

@@ -17,6 +17,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/backendtest"
 	"github.com/modeguard/modeguard/pkg/backend/memory"
+	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -175,11 +176,11 @@ func TestConcurrentCreationsShareThePool(t *testing.T) {
 func TestReturnedVolumesAreCopies(t *testing.T) {
 	c := asBlock(t)
 	id := volume(t, c, "v")
-	v, _ := c.SetAttachments(t.Context(), id, []accessmode.Attachment{{NodeID: "n@zone-a", Mode: accessmode.SingleNodeWriter}})
-	v.Attachments[0].NodeID = "changed"
+	v, _ := c.SetAttachments(t.Context(), id, []accessmode.Attachment{{Node: nodeid.MustParse("n@zone-a"), Mode: accessmode.SingleNodeWriter}})
+	v.Attachments[0].Node.Name = "changed"
 	v.Modes[0] = accessmode.MultiNodeMultiWriter
 	again, _ := c.Volume(t.Context(), id)
-	if again.Attachments[0].NodeID != "n@zone-a" || again.Modes[0] != accessmode.SingleNodeWriter {
+	if again.Attachments[0].Node.String() != "n@zone-a" || again.Modes[0] != accessmode.SingleNodeWriter {
 		t.Fatalf("a returned volume aliases the record: %+v", again)
 	}
 }
@@ -223,11 +224,11 @@ func TestSetHealth(t *testing.T) {
 func TestNodeLoseForgetsTheStages(t *testing.T) {
 	c := asBlock(t)
 	id := volume(t, c, "v")
-	if _, err := c.SetAttachments(t.Context(), id, []accessmode.Attachment{{NodeID: "n@zone-a", Mode: accessmode.SingleNodeWriter}}); err != nil {
+	if _, err := c.SetAttachments(t.Context(), id, []accessmode.Attachment{{Node: nodeid.MustParse("n@zone-a"), Mode: accessmode.SingleNodeWriter}}); err != nil {
 		t.Fatal(err)
 	}
 	n := memory.NewNode(c)
-	staged, err := n.Stage(t.Context(), backend.StageRequest{VolumeID: id, NodeID: "n@zone-a", StagingPath: t.TempDir(), AccessType: accessmode.Block})
+	staged, err := n.Stage(t.Context(), backend.StageRequest{VolumeID: id, Node: nodeid.MustParse("n@zone-a"), StagingPath: t.TempDir(), AccessType: accessmode.Block})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -41,6 +41,9 @@ func NewNode(ctrl *Controller) *Node {
 
 func (n *Node) Backend() accessmode.Backend { return n.ctrl.backend }
 
+// ReadOnlyDevices is nil: a node without devices has none to give.
+func (n *Node) ReadOnlyDevices() backend.ReadOnlyDevices { return nil }
+
 // Source is what a stage of volume id has "mounted", as Owns recognises it.
 func Source(id string) string { return "memory:" + id }
 
@@ -113,19 +116,19 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 func checkStage(vol *backend.Volume, req backend.StageRequest) error {
 	var att *accessmode.Attachment
 	for i := range vol.Attachments {
-		if vol.Attachments[i].Node() == accessmode.NodeKey(req.NodeID) {
+		if vol.Attachments[i].Node.Name == req.Node.Name {
 			att = &vol.Attachments[i]
 		}
 	}
 	switch {
 	case att == nil:
-		return status.Errorf(codes.FailedPrecondition, "volume %s is not attached to node %s", vol.ID, req.NodeID)
+		return status.Errorf(codes.FailedPrecondition, "volume %s is not attached to node %s", vol.ID, req.Node)
 	case !req.ReadOnly && (att.ReadOnly || accessmode.IsReadOnly(att.Mode)):
 		return status.Errorf(codes.FailedPrecondition, "volume %s is attached to node %s read-only (%s); a read/write stage is refused",
-			vol.ID, req.NodeID, accessmode.Name(att.Mode))
+			vol.ID, req.Node, accessmode.Name(att.Mode))
 	case req.Mode != 0 && !accessmode.Within(req.Mode, att.Mode):
 		return status.Errorf(codes.FailedPrecondition, "volume %s is attached to node %s as %s; a stage as %s would allow more than that",
-			vol.ID, req.NodeID, accessmode.Name(att.Mode), accessmode.Name(req.Mode))
+			vol.ID, req.Node, accessmode.Name(att.Mode), accessmode.Name(req.Mode))
 	case req.AccessType != vol.AccessType:
 		return status.Errorf(codes.FailedPrecondition, "volume %s was created for access type %s, not %s", vol.ID, vol.AccessType, req.AccessType)
 	}

@@ -903,8 +903,7 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 	c.mu.Unlock()
 	// No node holds it yet: it is exported at its first publish.
 	c.settle(ctx, rel)
-	out := rec.Volume
-	return &out, nil
+	return rec.Volume.Clone(), nil
 }
 
 // putVolume makes rec the recorded state of its volume, in the node index
@@ -930,7 +929,7 @@ func (c *Controller) dropVolume(id string) {
 func (c *Controller) VolumesOn(ctx context.Context, node string) ([]*backend.Volume, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.nodes.Volumes(node, func(id string) *backend.Volume { v := c.volumes[id].Volume; return &v }), nil
+	return c.nodes.Volumes(node, func(id string) *backend.Volume { return c.volumes[id].Volume.Clone() }), nil
 }
 
 func (c *Controller) record(id volumeid.ID) (*volumeRecord, error) {
@@ -949,8 +948,7 @@ func (c *Controller) Volume(ctx context.Context, id volumeid.ID) (*backend.Volum
 	if err != nil {
 		return nil, err
 	}
-	out := rec.Volume
-	return &out, nil
+	return rec.Volume.Clone(), nil
 }
 
 func (c *Controller) DeleteVolume(ctx context.Context, id volumeid.ID) error {
@@ -1189,8 +1187,7 @@ func (c *Controller) ListVolumes(ctx context.Context) ([]*backend.Volume, error)
 	defer c.mu.Unlock()
 	out := make([]*backend.Volume, 0, len(c.volumes))
 	for _, rec := range c.volumes {
-		v := rec.Volume
-		out = append(out, &v)
+		out = append(out, rec.Volume.Clone())
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
 	return out, nil
