@@ -287,14 +287,14 @@ func TestSetAttachmentsIsRecordedInTheMetadata(t *testing.T) {
 		t.Fatalf("returned attachments %+v", v.Attachments)
 	}
 	// What a node reads is what matters.
-	onDisk, err := f.node.readVolume(f.node.pools["zone-a"], spec.ID)
+	onDisk, err := f.node.loop.readVolume(f.node.loop.pools["zone-a"], spec.ID)
 	if err != nil || !reflect.DeepEqual(onDisk.Attachments, atts) {
 		t.Fatalf("metadata attachments %+v, %v", onDisk, err)
 	}
 	if _, err := f.ctrl.SetAttachments(ctx, spec.ID, nil); err != nil {
 		t.Fatal(err)
 	}
-	onDisk, _ = f.node.readVolume(f.node.pools["zone-a"], spec.ID)
+	onDisk, _ = f.node.loop.readVolume(f.node.loop.pools["zone-a"], spec.ID)
 	if len(onDisk.Attachments) != 0 {
 		t.Fatalf("attachments after clearing: %+v", onDisk.Attachments)
 	}
@@ -310,7 +310,7 @@ func TestSetAttachmentsIsRecordedInTheMetadata(t *testing.T) {
 	if !strings.Contains(err.Error(), "--block-target") {
 		t.Errorf("the refusal of a fence does not say where fences hold: %v", err)
 	}
-	onDisk, _ = f.node.readVolume(f.node.pools["zone-a"], spec.ID)
+	onDisk, _ = f.node.loop.readVolume(f.node.loop.pools["zone-a"], spec.ID)
 	if len(onDisk.Attachments) != 0 {
 		t.Fatalf("a refused fence was recorded: %+v", onDisk.Attachments)
 	}

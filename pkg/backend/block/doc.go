@@ -84,8 +84,10 @@
 //
 // The node tells the two apart by the volume context: a volume a target
 // serves over iSCSI says so (transport=iscsi, with its target, portal and
-// serial), and Node stages it with a login rather than a loop device
-// (node_iscsi.go). The target enforces who may reach it, so the node
+// serial), and Node stages it with a login rather than a loop device.
+// Each transport is one type behind one interface (transport.go,
+// transport_loop.go, transport_iscsi.go); what is done with the device
+// once it is there, Node does the same way for both. The target enforces who may reach it, so the node
 // checks the disk it got instead: found by the serial derived from the
 // volume id, at least the size in the publish context, and write-protected
 // exactly when the attachment is read-only. A read-only stage of a

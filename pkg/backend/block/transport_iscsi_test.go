@@ -1,3 +1,7 @@
+// This file holds the tests of the iSCSI transport that run without a
+// target: what a node checks before it logs in anywhere. The login and
+// everything after it run in VMs (test/vm/lio).
+
 package block
 
 import (
@@ -44,7 +48,7 @@ func TestNewNetworkNodeChecksItsCredentials(t *testing.T) {
 			if (tc.want == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), tc.want)) {
 				t.Fatalf("NewNetworkNode = %v, want %q", err, tc.want)
 			}
-			if err == nil && (n.iscsi.DiskTimeout <= 0 || len(n.pools) != 0) {
+			if err == nil && (n.network[iscsi.TransportName].(*iscsiTransport).DiskTimeout <= 0 || len(n.loop.pools) != 0) {
 				t.Fatalf("node %+v: no default disk timeout, or pools it was not given", n)
 			}
 		})
