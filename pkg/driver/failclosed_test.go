@@ -47,7 +47,7 @@ func TestMountCheckErrorFailsClosed_FakeMountTable(t *testing.T) {
 	if code := status.Code(err); code != codes.Internal {
 		t.Errorf("second publish while mounts cannot be checked: %v, want Internal", err)
 	}
-	if n := mountsAt(t, second); n != 0 {
+	if n := kernelMountsAt(t, second); n != 0 {
 		t.Errorf("the refused publish left %d mounts at %s", n, second)
 	}
 	if _, err := e.node.NodeUnstageVolume(ctx(t), &csi.NodeUnstageVolumeRequest{VolumeId: volID, StagingTargetPath: staging}); err == nil {
@@ -61,7 +61,7 @@ func TestMountCheckErrorFailsClosed_FakeMountTable(t *testing.T) {
 	if status.Code(err) != codes.FailedPrecondition {
 		t.Errorf("second RWOP publish once the mounts can be checked again: %v, want FailedPrecondition (the first pod still holds it)", err)
 	}
-	if n := mountsAt(t, first); n != 1 {
+	if n := kernelMountsAt(t, first); n != 1 {
 		t.Errorf("the first pod's mount: %d mounts, want 1", n)
 	}
 }
@@ -79,7 +79,7 @@ func (cannotTellCreations) Creating(context.Context, volumeid.ID) (bool, error) 
 // a volume made then could be a second one, in another zone. The call
 // answers UNAVAILABLE, which the CO retries, and makes nothing.
 func TestCreateVolumeFailsClosedWhenCreationsCannotBeTold(t *testing.T) {
-	e := newEnv(t, 0, func(e *env) {
+	e := newMemoryEnv(t, 0, func(e *env) {
 		e.wrap = func(c backend.Controller) backend.Controller { return cannotTellCreations{c} }
 	})
 	_, err := e.createBlock(ctx(t), "unsure", volumeSize, nil)

@@ -58,7 +58,7 @@ func networkFence(t *testing.T, e *env) bool {
 // TestNetworkFenceNeedsAPlaceForTheList: a controller without a fence
 // file does not offer NetworkFence, and its calls say what is missing.
 func TestNetworkFenceNeedsAPlaceForTheList(t *testing.T) {
-	e := newEnv(t, 0)
+	e := newMemoryEnv(t, 0)
 	if networkFence(t, e) {
 		t.Error("csi-addons GetCapabilities offers NETWORK_FENCE without a fence file")
 	}
@@ -71,7 +71,7 @@ func TestNetworkFenceNeedsAPlaceForTheList(t *testing.T) {
 
 // TestNetworkFenceRefusesBadRequests: what is wrong, and what is accepted.
 func TestNetworkFenceRefusesBadRequests(t *testing.T) {
-	e := newEnv(t, 0, withFenceFile)
+	e := newMemoryEnv(t, 0, withFenceFile)
 	if !networkFence(t, e) {
 		t.Fatal("csi-addons GetCapabilities does not offer NETWORK_FENCE with a fence file")
 	}

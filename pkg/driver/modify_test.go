@@ -102,7 +102,7 @@ func TestModifiedReadAheadReachesTheDevice(t *testing.T) {
 // refuse, with the codes the spec gives, and that a refused CreateVolume
 // makes nothing.
 func TestModifyVolumeRefusals(t *testing.T) {
-	e := newEnv(t, 0)
+	e := newMemoryEnv(t, 0)
 	c := blockCap(accessmode.SingleNodeWriter)
 	volID := e.createVolume(t, "plain", c)
 	for _, tc := range []struct {

@@ -25,7 +25,7 @@ import (
 // chance to show.
 func TestConcurrentAttachesKeepTheNodeLimit(t *testing.T) {
 	const limit, volumes, rounds = 3, 16, 10
-	e := newEnv(t, limit, func(e *env) { e.attachDelay = 5 * time.Millisecond })
+	e := newMemoryEnv(t, limit, func(e *env) { e.attachDelay = 5 * time.Millisecond })
 	c := blockCap(accessmode.SingleNodeWriter)
 	var vols []string
 	for i := 0; i < volumes; i++ {
@@ -79,7 +79,7 @@ func TestConcurrentAttachesKeepTheNodeLimit(t *testing.T) {
 // holds recorded under the new id, no other node let in) and can let go of
 // it under either id; one that claims another zone is refused, saying so.
 func TestNodeIdentityIsItsName(t *testing.T) {
-	e := newEnv(t, 0)
+	e := newMemoryEnv(t, 0)
 	c := blockCap(accessmode.SingleNodeWriter)
 	a := e.createVolume(t, "ident-a", c)
 	b := e.createVolume(t, "ident-b", c)
@@ -149,7 +149,7 @@ func TestLongNodeName(t *testing.T) {
 	if len(name) != 253 {
 		t.Fatalf("name is %d characters", len(name))
 	}
-	e := newEnv(t, 8, func(e *env) { e.nodeName = name })
+	e := newMemoryEnv(t, 8, func(e *env) { e.nodeName = name })
 	info, err := e.node.NodeGetInfo(ctx(t), &csi.NodeGetInfoRequest{})
 	if err != nil {
 		t.Fatal(err)

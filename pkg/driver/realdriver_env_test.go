@@ -1,10 +1,14 @@
 package driver_test
 
-// An in-process driver (controller + node role) with the real block backend
-// on a size-capped tmpfs, reached over a real gRPC unix socket, as
-// test/sanity does. Every volume, attachment, stage and publish a test makes
-// through the helpers is undone by t.Cleanup in reverse order, and the env
-// fails the test if a mount or loop device under its tmpfs survives that.
+// An in-process driver (controller + node role) reached over a real gRPC
+// unix socket, as test/sanity does, on one of two worlds: the real block
+// backend on a size-capped tmpfs with the kernel's mounts (newEnv, as root),
+// or the in-memory backend with an in-memory mount table (newMemoryEnv,
+// without root, in milliseconds), for the tests of the driver's rules,
+// idempotency, locking and errors that no kernel takes part in. Every
+// volume, attachment, stage and publish a test makes through the helpers
+// is undone by t.Cleanup in reverse order, and the env fails the test if a
+// mount or loop device survives that.
 
 import (
 	"context"
@@ -31,6 +35,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block"
+	"github.com/modeguard/modeguard/pkg/backend/memory"
 	"github.com/modeguard/modeguard/pkg/driver"
 	"github.com/modeguard/modeguard/pkg/localcluster"
 	"github.com/modeguard/modeguard/pkg/metrics"
@@ -67,6 +72,9 @@ type env struct {
 	otherPools map[string]string
 	// wrap, when set, is put around the block controller the driver gets.
 	wrap func(backend.Controller) backend.Controller
+	// mem, when set, is the in-memory world the driver runs on instead
+	// of the kernel's (newMemoryEnv).
+	mem *memoryWorld
 
 	d      *driver.Driver
 	srv    *grpc.Server
@@ -120,6 +128,63 @@ func newEnv(t *testing.T, maxVolumes int64, opts ...func(*env)) *env {
 	return e
 }
 
+// memoryWorld is the in-memory backend and mount table a driver of
+// newMemoryEnv runs on; it outlives the driver's restarts, as a pool and a
+// kernel outlive a plugin's.
+type memoryWorld struct {
+	ctrl  *memory.Controller
+	node  *memory.Node
+	table *mounts.Memory
+}
+
+// newMemoryEnv starts a driver on the in-memory backend (one pool of
+// 1 GiB in testZone) and mount table. maxVolumes is MaxVolumesPerNode;
+// opts adjust the env before the driver starts.
+func newMemoryEnv(t *testing.T, maxVolumes int64, opts ...func(*env)) *env {
+	t.Helper()
+	// The socket's path must stay within the 108 bytes of a unix address,
+	// which a test's own TempDir, named after the test, may not.
+	root, err := os.MkdirTemp("", "mg-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(root) })
+	ctrl, err := memory.New(memory.Config{Pools: []memory.Pool{{Zone: testZone, SizeBytes: 1 << 30}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	table := mounts.NewMemory()
+	devices := filepath.Join(root, "dev")
+	e := &env{
+		root:       root,
+		stateDir:   filepath.Join(root, "state"),
+		maxVols:    maxVolumes,
+		nodeName:   testNode,
+		mountTable: table.Table(),
+		mem:        &memoryWorld{ctrl: ctrl, node: memory.NewNode(ctrl, memory.WithMounts(table, devices)), table: table},
+	}
+	for _, o := range opts {
+		o(e)
+	}
+	dirs := []string{e.stateDir, devices, filepath.Join(root, "staging"), filepath.Join(root, "targets")}
+	if e.fenceFile != "" {
+		dirs = append(dirs, filepath.Dir(e.fenceFile))
+	}
+	for _, d := range dirs {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		if m := table.MountPoints(); len(m) > 0 {
+			t.Errorf("mounts left behind: %v", m)
+		}
+	})
+	e.start(t)
+	t.Cleanup(e.stop)
+	return e
+}
+
 // onReflinkPool puts the env's pool on an xfs with reflinks, where volumes
 // in use can be snapshotted and cloned (block.copyVolumeAtOnePoint).
 func onReflinkPool(t *testing.T) func(*env) {
@@ -142,16 +207,7 @@ func withPool(zone, dir string) func(*env) {
 // reading the pools, a driver on the same state dir, Reconcile) and serves it.
 func (e *env) start(t *testing.T) {
 	t.Helper()
-	pools := map[string]string{testZone: e.pool}
-	maps.Copy(pools, e.otherPools)
-	ctrl, err := block.NewController(pools)
-	if err != nil {
-		t.Fatal(err)
-	}
-	node, err := block.NewNode(pools)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ctrl, node, mounter := e.backends(t)
 	d, err := driver.New(driver.Config{
 		Version:           "test",
 		Roles:             []driver.Role{driver.RoleController, driver.RoleNode},
@@ -163,6 +219,7 @@ func (e *env) start(t *testing.T) {
 		Nodes:             map[accessmode.Backend]backend.Node{accessmode.BackendBlock: node},
 		Metrics:           e.metrics,
 		MountTable:        e.mountTable,
+		Mounter:           mounter,
 		FenceFile:         e.fenceFile,
 	})
 	if err != nil {
@@ -186,6 +243,25 @@ func (e *env) start(t *testing.T) {
 	}
 	e.d, e.srv, e.conn = d, srv, conn
 	e.ctrl, e.node = csi.NewControllerClient(conn), csi.NewNodeClient(conn)
+}
+
+// backends are what a start of the driver gets: the in-memory world's, or
+// the block backend reading the pools afresh (and the kernel's mounter).
+func (e *env) backends(t *testing.T) (backend.Controller, backend.Node, mounts.Mounter) {
+	if e.mem != nil {
+		return e.mem.ctrl, e.mem.node, e.mem.table
+	}
+	pools := map[string]string{testZone: e.pool}
+	maps.Copy(pools, e.otherPools)
+	ctrl, err := block.NewController(pools)
+	if err != nil {
+		t.Fatal(err)
+	}
+	node, err := block.NewNode(pools)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ctrl, node, nil
 }
 
 func (e *env) stop() {
@@ -360,9 +436,24 @@ func (e *env) publish(t *testing.T, volID, staging, target string, c *csi.Volume
 }
 
 // mountsAt counts the mounts stacked at exactly p.
-func mountsAt(t *testing.T, p string) int {
+// mountsAt counts the mounts stacked at p in the env's mount table.
+func (e *env) mountsAt(t *testing.T, p string) int {
 	t.Helper()
-	infos, err := mountinfo.GetMounts(func(m *mountinfo.Info) (skip, stop bool) {
+	if e.mountTable.Read == nil {
+		return kernelMountsAt(t, p)
+	}
+	return countMounts(t, e.mountTable.Read, p)
+}
+
+// kernelMountsAt counts the mounts stacked at p in the kernel's table.
+func kernelMountsAt(t *testing.T, p string) int {
+	t.Helper()
+	return countMounts(t, mountinfo.GetMounts, p)
+}
+
+func countMounts(t *testing.T, read func(mountinfo.FilterFunc) ([]*mounts.Mount, error), p string) int {
+	t.Helper()
+	infos, err := read(func(m *mountinfo.Info) (skip, stop bool) {
 		return m.Mountpoint != p, false // every mount stacked there, not just the first
 	})
 	if err != nil {
@@ -457,10 +548,7 @@ type otherNode struct {
 // the stages and publishes made on it are undone.
 func (e *env) addNode(t *testing.T, name string) *otherNode {
 	t.Helper()
-	nb, err := block.NewNode(map[string]string{testZone: e.pool})
-	if err != nil {
-		t.Fatal(err)
-	}
+	nb, mounter := e.otherNodeBackend(t, name)
 	stateDir := filepath.Join(e.root, "state-"+name)
 	if err := os.MkdirAll(stateDir, 0o700); err != nil {
 		t.Fatal(err)
@@ -474,6 +562,7 @@ func (e *env) addNode(t *testing.T, name string) *otherNode {
 		Nodes:      map[accessmode.Backend]backend.Node{accessmode.BackendBlock: nb},
 		Metrics:    e.metrics,
 		MountTable: e.mountTable,
+		Mounter:    mounter,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -497,6 +586,23 @@ func (e *env) addNode(t *testing.T, name string) *otherNode {
 		srv.Stop()
 	})
 	return &otherNode{e: e, name: name, id: d.NodeID(), node: csi.NewNodeClient(conn)}
+}
+
+// otherNodeBackend is the backend of another node: on the env's pool, or
+// on its in-memory backend with a device directory of its own.
+func (e *env) otherNodeBackend(t *testing.T, name string) (backend.Node, mounts.Mounter) {
+	if e.mem != nil {
+		devices := filepath.Join(e.root, "dev-"+name)
+		if err := os.MkdirAll(devices, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		return memory.NewNode(e.mem.ctrl, memory.WithMounts(e.mem.table, devices)), e.mem.table
+	}
+	nb, err := block.NewNode(map[string]string{testZone: e.pool})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return nb, nil
 }
 
 // controllerPublishTo attaches the volume to nodeID (unpublished at cleanup).

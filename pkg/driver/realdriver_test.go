@@ -59,7 +59,7 @@ func TestNodePublishAccessModes(t *testing.T) {
 			if err := e.publish(t, volID, staging, t1, c, pc, false); err != nil {
 				t.Fatalf("first publish: %v", err)
 			}
-			if n := mountsAt(t, t1); n != 1 {
+			if n := e.mountsAt(t, t1); n != 1 {
 				t.Fatalf("%d mounts at the first target, want 1", n)
 			}
 			if !tt.block && !accessmode.IsReadOnly(tt.mode) {
@@ -72,14 +72,14 @@ func TestNodePublishAccessModes(t *testing.T) {
 			if err := e.publish(t, volID, staging, t1, c, pc, false); err != nil {
 				t.Errorf("repeated publish: %v, want OK", err)
 			}
-			if n := mountsAt(t, t1); n != 1 {
+			if n := e.mountsAt(t, t1); n != 1 {
 				t.Errorf("%d mounts at the first target after a repeat, want 1", n)
 			}
 
 			// T1=T2, P1!=P2: ALREADY_EXISTS, and the mount stays as it was.
 			err := e.publish(t, volID, staging, t1, c, pc, true)
 			wantCode(t, "same target, readonly=true", err, codes.AlreadyExists)
-			if n := mountsAt(t, t1); n != 1 {
+			if n := e.mountsAt(t, t1); n != 1 {
 				t.Errorf("%d mounts at the first target after a refused change, want 1", n)
 			}
 			if !tt.block && !accessmode.IsReadOnly(tt.mode) {
@@ -94,12 +94,12 @@ func TestNodePublishAccessModes(t *testing.T) {
 				if err != nil {
 					t.Fatalf("second target: %v, want OK", err)
 				}
-				if n := mountsAt(t, t2); n != 1 {
+				if n := e.mountsAt(t, t2); n != 1 {
 					t.Errorf("%d mounts at the second target, want 1", n)
 				}
 			} else {
 				wantCode(t, "second target", err, tt.second)
-				if n := mountsAt(t, t2); n != 0 {
+				if n := e.mountsAt(t, t2); n != 0 {
 					t.Errorf("a refused publish left %d mounts at %s", n, t2)
 				}
 				if _, serr := os.Lstat(t2); !os.IsNotExist(serr) {
@@ -161,7 +161,7 @@ func publishedNodes(t *testing.T, e *env, volID string) []string {
 }
 
 func TestControllerPublishNodeChecks(t *testing.T) {
-	e := newEnv(t, 0)
+	e := newMemoryEnv(t, 0)
 	c := blockCap(accessmode.SingleNodeWriter)
 	volID := e.createVolume(t, "node-checks", c)
 
@@ -221,7 +221,7 @@ func TestControllerPublishNodeChecks(t *testing.T) {
 func TestControllerPublishAttachLimit(t *testing.T) {
 	const limit = 2
 	m := metrics.New("test", []string{"controller", "node"})
-	e := newEnv(t, limit, func(e *env) { e.metrics = m })
+	e := newMemoryEnv(t, limit, func(e *env) { e.metrics = m })
 	c := blockCap(accessmode.SingleNodeWriter)
 	var vols []string
 	for i := 0; i < limit+1; i++ {
@@ -306,14 +306,14 @@ func TestRestartKeepsSingleWriterLock(t *testing.T) {
 	}
 	err := e.publish(t, volID, staging, t2, c, pc, false)
 	wantCode(t, "second target after restart", err, codes.FailedPrecondition)
-	if n := mountsAt(t, t2); n != 0 {
+	if n := e.mountsAt(t, t2); n != 0 {
 		t.Errorf("refused publish mounted %s", t2)
 	}
 	// The first workload's repeat is still recognised as the same publish.
 	if err := e.publish(t, volID, staging, t1, c, pc, false); err != nil {
 		t.Errorf("repeat of the first publish after restart: %v", err)
 	}
-	if n := mountsAt(t, t1); n != 1 {
+	if n := e.mountsAt(t, t1); n != 1 {
 		t.Errorf("%d mounts at %s, want 1", n, t1)
 	}
 
@@ -592,7 +592,7 @@ func TestBadPathsRefused(t *testing.T) {
 	if d := diffTrees(cwdBefore, treeState(t, cwd)); len(d) > 0 {
 		t.Errorf("refused calls changed the working directory:\n%s", strings.Join(d, "\n"))
 	}
-	if n := mountsAt(t, good); n != 0 {
+	if n := e.mountsAt(t, good); n != 0 {
 		t.Errorf("a refused publish mounted %s", good)
 	}
 	// The volume is as usable as before.
@@ -691,7 +691,7 @@ func captureKlog(t *testing.T) *syncBuffer {
 }
 
 func TestSecretsNeverLogged(t *testing.T) {
-	e := newEnv(t, 0, withFenceFile)
+	e := newMemoryEnv(t, 0, withFenceFile)
 	logs := captureKlog(t)
 	const canary = "s3cr3t-canary"
 	secrets := map[string]string{"password": canary, "token": "x-" + canary + "-y"}
@@ -805,7 +805,7 @@ func TestSymlinkPathsRefused(t *testing.T) {
 	if err := e.publish(t, volID, staging, link, c, pc, false); status.Code(err) != codes.InvalidArgument {
 		t.Errorf("NodePublishVolume at a symlink: %v, want InvalidArgument", err)
 	}
-	if n := mountsAt(t, victim); n != 0 {
+	if n := e.mountsAt(t, victim); n != 0 {
 		t.Errorf("a refused publish mounted over the symlink's target %s", victim)
 	}
 
@@ -822,7 +822,7 @@ func TestSymlinkPathsRefused(t *testing.T) {
 	if status.Code(err) != codes.InvalidArgument {
 		t.Errorf("NodeStageVolume at a symlink: %v, want InvalidArgument", err)
 	}
-	if n := mountsAt(t, victim); n != 0 {
+	if n := e.mountsAt(t, victim); n != 0 {
 		t.Errorf("a refused stage mounted over the symlink's target %s", victim)
 	}
 	// The volume is as usable as before at a plain path.

@@ -16,7 +16,7 @@ import (
 // already (OK), leaves the real stage alone, and never takes a workload's
 // mount for a stage.
 func TestUnstageAtAnotherPath(t *testing.T) {
-	e := newEnv(t, 0)
+	e := newMemoryEnv(t, 0)
 	c := mountCap(accessmode.SingleNodeWriter)
 	volID, staging, pc := e.setup(t, "unstage-elsewhere", c)
 	target := e.targetPath("unstage-elsewhere")
@@ -30,12 +30,12 @@ func TestUnstageAtAnotherPath(t *testing.T) {
 	if _, err := e.node.NodeUnstageVolume(ctx(t), &csi.NodeUnstageVolumeRequest{VolumeId: volID, StagingTargetPath: other}); err != nil {
 		t.Errorf("NodeUnstageVolume at a path the volume is not staged at: %v, want OK", err)
 	}
-	if mountsAt(t, staging) != 1 || mountsAt(t, target) != 1 {
-		t.Errorf("the unstage elsewhere touched the stage (%d mounts) or the publish (%d)", mountsAt(t, staging), mountsAt(t, target))
+	if e.mountsAt(t, staging) != 1 || e.mountsAt(t, target) != 1 {
+		t.Errorf("the unstage elsewhere touched the stage (%d mounts) or the publish (%d)", e.mountsAt(t, staging), e.mountsAt(t, target))
 	}
 	_, err := e.node.NodeUnstageVolume(ctx(t), &csi.NodeUnstageVolumeRequest{VolumeId: volID, StagingTargetPath: target})
 	wantCode(t, "NodeUnstageVolume at the workload's target path", err, codes.FailedPrecondition)
-	if mountsAt(t, target) != 1 {
+	if e.mountsAt(t, target) != 1 {
 		t.Errorf("an unstage at the target path unmounted the workload's volume")
 	}
 }
@@ -45,7 +45,7 @@ func TestUnstageAtAnotherPath(t *testing.T) {
 // it to that size (rounded to MiB), never to the default size of new
 // volumes; a limit below the volume's size is OUT_OF_RANGE (no shrinking).
 func TestExpandGrowsOnlyToWhatIsAsked(t *testing.T) {
-	e := newEnv(t, 0)
+	e := newMemoryEnv(t, 0)
 	volID := e.createVolume(t, "expand-asked", blockCap(accessmode.SingleNodeWriter))
 	expand := func(r *csi.CapacityRange) (int64, error) {
 		resp, err := e.ctrl.ControllerExpandVolume(ctx(t), &csi.ControllerExpandVolumeRequest{VolumeId: volID, CapacityRange: r})
@@ -80,7 +80,7 @@ func TestExpandGrowsOnlyToWhatIsAsked(t *testing.T) {
 // CreateVolume from it refuses another one (INVALID_ARGUMENT) rather than
 // handing a raw device's bytes out as a filesystem.
 func TestRestoreKeepsTheSourceKind(t *testing.T) {
-	e := newEnv(t, 0)
+	e := newMemoryEnv(t, 0)
 	rawVol := e.createVolume(t, "raw-source", blockCap(accessmode.SingleNodeWriter))
 	snap, err := e.ctrl.CreateSnapshot(ctx(t), &csi.CreateSnapshotRequest{Name: "raw-snap", SourceVolumeId: rawVol})
 	if err != nil {
@@ -110,7 +110,7 @@ func TestRestoreKeepsTheSourceKind(t *testing.T) {
 // not its zone places the volume in the zone the controller knows that
 // node in, and nowhere when it knows the node not at all.
 func TestTopologyNamingOnlyANode(t *testing.T) {
-	e := newEnv(t, 0)
+	e := newMemoryEnv(t, 0)
 	c := mountCap(accessmode.SingleNodeWriter)
 	onlyNode := &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{driver.TopologyNodeKey: testNode}}}}
 	create := func(name string) (*csi.CreateVolumeResponse, error) {

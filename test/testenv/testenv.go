@@ -100,6 +100,7 @@ func ReflinkXFS(t testing.TB, size int64) string {
 // mount(8) made goes with the unmount.
 func LoopFilesystem(t testing.TB, size int64, fsType string, mkfsArgs ...string) string {
 	t.Helper()
+	RequireRoot(t) // a loop device and a mount
 	dir, err := os.MkdirTemp("", "modeguard-"+fsType+"-")
 	if err != nil {
 		t.Fatal(err)

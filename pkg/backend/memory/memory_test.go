@@ -17,6 +17,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/backendtest"
 	"github.com/modeguard/modeguard/pkg/backend/memory"
+	"github.com/modeguard/modeguard/pkg/mounts"
 	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
@@ -64,6 +65,21 @@ func TestNodeContractMount(t *testing.T) {
 		c := asNFS(t)
 		return c, memory.NewNode(c)
 	})
+}
+
+// With a mount table and device files, as the driver's tests run it.
+func TestNodeContractWithMounts(t *testing.T) {
+	for name, props := range map[string]backendtest.Properties{"block": blockProps, "mount": nfsProps} {
+		t.Run(name, func(t *testing.T) {
+			backendtest.RunNodeContract(t, props, func(t *testing.T) (backend.Controller, backend.Node) {
+				c := asBlock(t)
+				if name == "mount" {
+					c = asNFS(t)
+				}
+				return c, memory.NewNode(c, memory.WithMounts(mounts.NewMemory(), t.TempDir()))
+			})
+		})
+	}
 }
 
 func volume(t *testing.T, c *memory.Controller, name string) volumeid.ID {

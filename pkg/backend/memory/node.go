@@ -6,7 +6,9 @@ package memory
 
 import (
 	"context"
+	"errors"
 	"os"
+	"path/filepath"
 	"sync"
 	"time"
 
@@ -27,6 +29,10 @@ type Node struct {
 	Faults
 
 	ctrl *Controller
+	// table and devices, when set, are the node's "kernel" (see
+	// WithMounts).
+	table   *mounts.Memory
+	devices string
 
 	mu     sync.Mutex
 	staged map[string]*backend.Staged // by staging path
@@ -34,9 +40,27 @@ type Node struct {
 
 var _ backend.Node = (*Node)(nil)
 
+// NodeOption adjusts a Node.
+type NodeOption func(*Node)
+
+// WithMounts makes the node's stages visible as the kernel's would be to a
+// node plugin that reads table: a stage of access type mount mounts the
+// volume's Source at its staging path, and one of access type block makes
+// a device node (a plain file) for it in devices, so that a plugin's bind
+// mounts of either (mounts.Memory's Bind) show whose they are, and Check
+// compares its records with the table as the real backends compare theirs
+// with the kernel's.
+func WithMounts(table *mounts.Memory, devices string) NodeOption {
+	return func(n *Node) { n.table, n.devices = table, devices }
+}
+
 // NewNode makes a node of the volumes ctrl holds.
-func NewNode(ctrl *Controller) *Node {
-	return &Node{Faults: newFaults((*backend.Node)(nil)), ctrl: ctrl, staged: map[string]*backend.Staged{}}
+func NewNode(ctrl *Controller, opts ...NodeOption) *Node {
+	n := &Node{Faults: newFaults((*backend.Node)(nil)), ctrl: ctrl, staged: map[string]*backend.Staged{}}
+	for _, o := range opts {
+		o(n)
+	}
+	return n
 }
 
 func (n *Node) Backend() accessmode.Backend { return n.ctrl.backend }
@@ -89,7 +113,7 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 			return nil, status.Error(codes.InvalidArgument, err.Error())
 		}
 	} else {
-		staged.Device = "/dev/" + Source(vol.ID)
+		staged.Device = n.devicePath(req.VolumeID)
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -101,14 +125,70 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 		out := *have
 		return &out, nil
 	}
-	if req.AccessType == accessmode.Mount {
-		if err := os.MkdirAll(req.StagingPath, 0o750); err != nil {
-			return nil, status.Errorf(codes.Internal, "creating staging path: %v", err)
-		}
+	if err := n.attach(staged); err != nil {
+		return nil, err
 	}
 	n.staged[req.StagingPath] = staged
 	out := *staged
 	return &out, nil
+}
+
+// devicePath is where a block stage of id has its device: a name under
+// /dev that nothing else uses, or a file in the node's device directory.
+func (n *Node) devicePath(id volumeid.ID) string {
+	if n.devices == "" {
+		return "/dev/" + Source(id.String())
+	}
+	return filepath.Join(n.devices, id.FileName())
+}
+
+// attach makes what a stage leaves in the "kernel": the staging directory
+// and, with a table, the volume mounted there, or its device file.
+func (n *Node) attach(staged *backend.Staged) error {
+	if staged.AccessType == accessmode.Block {
+		if n.devices == "" {
+			return nil
+		}
+		if err := os.WriteFile(staged.Device, nil, 0o600); err != nil {
+			return status.Errorf(codes.Internal, "making the device of %s: %v", staged.VolumeID, err)
+		}
+		return nil
+	}
+	if err := os.MkdirAll(staged.StagingPath, 0o750); err != nil {
+		return status.Errorf(codes.Internal, "creating staging path: %v", err)
+	}
+	if n.table != nil {
+		if err := n.table.Mount(staged.Source, staged.StagingPath, "memory", staged.ReadOnly); err != nil {
+			return status.Errorf(codes.Internal, "mounting %s at %s: %v", staged.VolumeID, staged.StagingPath, err)
+		}
+	}
+	return nil
+}
+
+// detach undoes attach; what is already gone is fine.
+func (n *Node) detach(staged *backend.Staged) error {
+	if staged.AccessType == accessmode.Block {
+		if n.devices != "" {
+			if err := os.Remove(staged.Device); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return status.Errorf(codes.Internal, "removing the device of %s: %v", staged.VolumeID, err)
+			}
+		}
+		return nil
+	}
+	if n.table == nil {
+		return nil
+	}
+	m, err := n.table.Table().At(staged.StagingPath)
+	if err != nil {
+		return status.Errorf(codes.Internal, "reading the mount table: %v", err)
+	}
+	if m == nil || m.Source != staged.Source {
+		return nil
+	}
+	if err := n.table.Unmount(staged.StagingPath); err != nil {
+		return status.Errorf(codes.Internal, "unmounting %s: %v", staged.StagingPath, err)
+	}
+	return nil
 }
 
 // checkStage refuses a stage the volume's attachment to the node does not
@@ -153,6 +233,9 @@ func (n *Node) Unstage(ctx context.Context, staged *backend.Staged) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if have, ok := n.staged[staged.StagingPath]; ok && have.VolumeID == staged.VolumeID {
+		if err := n.detach(have); err != nil {
+			return err
+		}
 		delete(n.staged, staged.StagingPath)
 	}
 	return nil
@@ -215,6 +298,16 @@ func (n *Node) Check(ctx context.Context, staged *backend.Staged) (backend.Stage
 		return backend.StageCheck{State: backend.StageGone, Detail: "nothing is staged at " + staged.StagingPath}, nil
 	case have.VolumeID != staged.VolumeID:
 		return backend.StageCheck{State: backend.StageBroken, Detail: "volume " + have.VolumeID + " is staged at " + staged.StagingPath}, nil
+	case n.table != nil && have.AccessType == accessmode.Mount:
+		m, err := n.table.Table().At(have.StagingPath)
+		switch {
+		case err != nil:
+			return backend.StageCheck{}, err
+		case m == nil:
+			return backend.StageCheck{State: backend.StageGone, Detail: "nothing is mounted at " + have.StagingPath}, nil
+		case m.Source != have.Source:
+			return backend.StageCheck{State: backend.StageBroken, Detail: m.Source + " is mounted at " + have.StagingPath}, nil
+		}
 	}
 	return backend.StageCheck{State: backend.StageIntact}, nil
 }
@@ -225,7 +318,7 @@ func (n *Node) Owns(ctx context.Context, id volumeid.ID, m *mounts.Mount) (bool,
 	if err := n.enter(ctx, "Owns"); err != nil {
 		return false, err
 	}
-	if m.Source == Source(id.String()) {
+	if m.Source == Source(id.String()) || (n.devices != "" && m.Root == n.devicePath(id)) {
 		return true, nil
 	}
 	n.mu.Lock()
