@@ -54,3 +54,22 @@ func RecordedVolume(volumes map[string]*Volume, id volumeid.ID) (*Volume, error)
 	}
 	return v.Clone(), nil
 }
+
+// RecordedSnapshot is RecordedVolume for snapshots.
+func RecordedSnapshot(snapshots map[string]*Snapshot, id volumeid.ID) (*Snapshot, error) {
+	s, ok := snapshots[id.String()]
+	if !ok {
+		return nil, status.Errorf(codes.NotFound, "snapshot %s does not exist", id)
+	}
+	out := *s
+	return &out, nil
+}
+
+// CheckSnapshotZone refuses a snapshot in a zone other than its source
+// volume's: a snapshot lives in its source's pool.
+func CheckSnapshotZone(id, source volumeid.ID) error {
+	if source.Zone != id.Zone {
+		return status.Errorf(codes.InvalidArgument, "snapshot %s must be in the zone of its source volume %s", id, source)
+	}
+	return nil
+}

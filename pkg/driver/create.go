@@ -388,23 +388,31 @@ func createInZones(ctx context.Context, ctrl backend.Controller, zones []string,
 		"no allowed pool can hold %d bytes: %s", size, strings.Join(tried, "; "))
 }
 
+// idsOfKey are the ids a volume of key may have in the backend: one in
+// each of its zones (one without a zone for a backend that has none).
+func idsOfKey(ctrl backend.Controller, key string) []volumeid.ID {
+	zones := ctrl.Zones()
+	if len(zones) == 0 {
+		zones = []string{""}
+	}
+	var ids []volumeid.ID
+	for _, zone := range zones {
+		if id, err := volumeid.New(ctrl.Backend(), zone, volumeid.Volume, key); err == nil {
+			ids = append(ids, id)
+		}
+	}
+	return ids
+}
+
 // creatingIn finds the volume of key that the backend is creating in the
 // background, if any: a retry goes to it, in its zone whatever room the
 // copy itself now takes there, rather than make another. A backend that
 // cannot tell fails the call: guessing "no" could make a second volume.
 func creatingIn(ctx context.Context, ctrl backend.Controller, key string) (volumeid.ID, bool, error) {
-	zones := ctrl.Zones()
-	if len(zones) == 0 {
-		zones = []string{""}
-	}
-	for _, zone := range zones {
-		id, err := volumeid.New(ctrl.Backend(), zone, volumeid.Volume, key)
-		if err != nil {
-			continue
-		}
+	for _, id := range idsOfKey(ctrl, key) {
 		creating, err := ctrl.Creating(ctx, id)
 		if err != nil {
-			return volumeid.ID{}, false, withContext(err, "cannot tell whether volume %s is being created in %s, so none is made elsewhere meanwhile", id, zoneName(zone))
+			return volumeid.ID{}, false, withContext(err, "cannot tell whether volume %s is being created in %s, so none is made elsewhere meanwhile", id, zoneName(id.Zone))
 		}
 		if creating {
 			return id, true, nil
@@ -448,15 +456,7 @@ func (s *controllerServer) findByKeyAnywhere(ctx context.Context, key string) (*
 
 // findByKey looks for a volume with this key in any zone of the backend.
 func (s *controllerServer) findByKey(ctx context.Context, ctrl backend.Controller, key string) (*backend.Volume, error) {
-	zones := ctrl.Zones()
-	if len(zones) == 0 {
-		zones = []string{""}
-	}
-	for _, zone := range zones {
-		id, err := volumeid.New(ctrl.Backend(), zone, volumeid.Volume, key)
-		if err != nil {
-			continue
-		}
+	for _, id := range idsOfKey(ctrl, key) {
 		vol, err := ctrl.Volume(ctx, id)
 		if status.Code(err) == codes.NotFound {
 			continue

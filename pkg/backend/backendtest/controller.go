@@ -25,6 +25,13 @@ import (
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
+// The properties of the two real backends, as their contract tests and
+// the in-memory backend standing in for them declare them.
+var (
+	BlockProperties = Properties{Zoned: true, AccessType: accessmode.Block, Mutable: map[string]string{backend.AttrReadAheadKiB: "512"}}
+	NFSProperties   = Properties{AccessType: accessmode.Mount, Mutable: map[string]string{backend.AttrRootSquash: "false"}}
+)
+
 // Properties are what a backend under test declares where backends
 // legitimately differ.
 type Properties struct {

@@ -7,14 +7,13 @@ package block_test
 import (
 	"testing"
 
-	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/backendtest"
 	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/test/testenv"
 )
 
-var contractProps = backendtest.Properties{Zoned: true, AccessType: accessmode.Block, Mutable: map[string]string{backend.AttrReadAheadKiB: "512"}}
+var contractProps = backendtest.BlockProperties
 
 func TestControllerContract(t *testing.T) {
 	backendtest.RunControllerContract(t, contractProps, func(t *testing.T) backend.Controller {

@@ -793,8 +793,8 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 	if _, err := c.poolFor(source, volumeid.Volume); err != nil {
 		return nil, err
 	}
-	if source.Zone != id.Zone {
-		return nil, status.Errorf(codes.InvalidArgument, "snapshot %s must be in the zone of its source volume %s", id, source)
+	if err := backend.CheckSnapshotZone(id, source); err != nil {
+		return nil, err
 	}
 	defer c.objects.Hold(id.String())()
 	if existing, err := c.Snapshot(ctx, id); err == nil {
@@ -886,12 +886,7 @@ func (c *Controller) Snapshot(ctx context.Context, id volumeid.ID) (*backend.Sna
 		out := job.snap
 		return &out, nil
 	}
-	s, ok := c.snapshots[id.String()]
-	if !ok {
-		return nil, status.Errorf(codes.NotFound, "snapshot %s does not exist", id)
-	}
-	out := *s
-	return &out, nil
+	return backend.RecordedSnapshot(c.snapshots, id)
 }
 
 // DeleteSnapshot removes a snapshot. Volumes restored from it are full

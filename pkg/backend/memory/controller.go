@@ -153,6 +153,19 @@ func (c *Controller) checkID(id volumeid.ID, kind volumeid.Kind) (Pool, error) {
 	return c.pool(id.Zone)
 }
 
+// snapshotPool is the pool a snapshot id of volume source goes in, which
+// must be its source's.
+func (c *Controller) snapshotPool(id, source volumeid.ID) (Pool, error) {
+	p, err := c.checkID(id, volumeid.Snapshot)
+	if err == nil {
+		_, err = c.checkID(source, volumeid.Volume)
+	}
+	if err == nil {
+		err = backend.CheckSnapshotZone(id, source)
+	}
+	return p, err
+}
+
 // spare is what zone's pool has not promised. Called with c.mu held.
 func (c *Controller) spare(p Pool) int64 { return max(0, p.SizeBytes-c.committed[p.Zone]) }
 
@@ -464,15 +477,9 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 	if err := c.enter(ctx, "CreateSnapshot"); err != nil {
 		return nil, err
 	}
-	p, err := c.checkID(id, volumeid.Snapshot)
+	p, err := c.snapshotPool(id, source)
 	if err != nil {
 		return nil, err
-	}
-	if _, err := c.checkID(source, volumeid.Volume); err != nil {
-		return nil, err
-	}
-	if source.Zone != id.Zone {
-		return nil, status.Errorf(codes.InvalidArgument, "snapshot %s must be in the zone of its source volume %s", id, source)
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -517,12 +524,7 @@ func (c *Controller) Snapshot(ctx context.Context, id volumeid.ID) (*backend.Sna
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	s, ok := c.snapshots[id.String()]
-	if !ok {
-		return nil, status.Errorf(codes.NotFound, "snapshot %s does not exist", id)
-	}
-	out := *s
-	return &out, nil
+	return backend.RecordedSnapshot(c.snapshots, id)
 }
 
 func (c *Controller) DeleteSnapshot(ctx context.Context, id volumeid.ID) error {

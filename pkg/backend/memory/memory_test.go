@@ -41,8 +41,8 @@ func asNFS(t *testing.T) *memory.Controller {
 }
 
 var (
-	blockProps = backendtest.Properties{Zoned: true, AccessType: accessmode.Block, Mutable: map[string]string{backend.AttrReadAheadKiB: "512"}}
-	nfsProps   = backendtest.Properties{AccessType: accessmode.Mount, Mutable: map[string]string{backend.AttrRootSquash: "false"}}
+	blockProps = backendtest.BlockProperties
+	nfsProps   = backendtest.NFSProperties
 )
 
 func TestControllerContractAsBlock(t *testing.T) {

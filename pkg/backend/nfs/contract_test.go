@@ -7,14 +7,13 @@ package nfs_test
 import (
 	"testing"
 
-	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/backendtest"
 	"github.com/modeguard/modeguard/test/testenv"
 )
 
 func TestControllerContract(t *testing.T) {
-	props := backendtest.Properties{AccessType: accessmode.Mount, Mutable: map[string]string{backend.AttrRootSquash: "false"}}
+	props := backendtest.NFSProperties
 	backendtest.RunControllerContract(t, props, func(t *testing.T) backend.Controller {
 		testenv.RequireRoot(t)
 		return testenv.NFSController(t, t.TempDir(), 1<<30)

@@ -13,7 +13,6 @@ import (
 	"path/filepath"
 	"testing"
 
-	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/backendtest"
 	"github.com/modeguard/modeguard/pkg/backend/block"
@@ -22,7 +21,7 @@ import (
 )
 
 func TestControllerContract(t *testing.T) {
-	props := backendtest.Properties{Zoned: true, AccessType: accessmode.Block, Mutable: map[string]string{backend.AttrReadAheadKiB: "512"}}
+	props := backendtest.BlockProperties
 	backendtest.RunControllerContract(t, props, func(t *testing.T) backend.Controller {
 		testenv.RequireRoot(t)
 		pools := testenv.Pools(t, "512m", "zone-b", "zone-a")
