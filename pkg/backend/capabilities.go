@@ -24,6 +24,13 @@ type ControllerCapabilities interface {
 	// backend whose creations end with their call answers false. An error
 	// means it cannot tell, and the caller must not guess "no".
 	Creating(ctx context.Context, id volumeid.ID) (bool, error)
+	// SnapshotBlocks answers one page of a snapshot's allocated ranges,
+	// or of the ranges that changed between two snapshots of one volume
+	// (see BlockRangesRequest), from the storage's own record of where
+	// data lies, never by reading the data. A backend that keeps no such
+	// record answers with a status saying so (Unimplemented, or
+	// InvalidArgument where its snapshots are not of block volumes).
+	SnapshotBlocks(ctx context.Context, req BlockRangesRequest) (*BlockRanges, error)
 }
 
 // NodeCapabilities are the optional abilities of a node backend.

@@ -22,12 +22,23 @@ import (
 // given here before this compiles.
 type capabilities struct {
 	creating volumeid.ID // the volume being created in the background
+	blocks   bool        // whether it answers block metadata
 }
 
 var _ backend.ControllerCapabilities = capabilities{}
 
 func (c capabilities) Creating(_ context.Context, id volumeid.ID) (bool, error) {
 	return id == c.creating, nil
+}
+
+// SnapshotBlocks answers a page made of the request, so that a wrapper
+// that loses part of it on the way is seen to.
+func (c capabilities) SnapshotBlocks(_ context.Context, req backend.BlockRangesRequest) (*backend.BlockRanges, error) {
+	if !c.blocks {
+		return nil, nil
+	}
+	return &backend.BlockRanges{CapacityBytes: 1 << 30, Ranges: []backend.BlockRange{{Offset: req.From, Length: int64(req.Limit)}},
+		Done: req.Delta()}, nil
 }
 
 // basics stands for what every controller does; nil, as no probe asks it.
@@ -48,8 +59,12 @@ func (c *capableController) Zones() []string             { return []string{c.zon
 func (c *capableController) MinimumSize() int64          { return 0 }
 
 func volumeIn(t *testing.T, zone string) volumeid.ID {
+	return objectIn(t, zone, volumeid.Volume, "probed")
+}
+
+func objectIn(t *testing.T, zone string, kind volumeid.Kind, name string) volumeid.ID {
 	t.Helper()
-	id, err := volumeid.New(accessmode.BackendBlock, zone, volumeid.Volume, volumeid.KeyFor("test", volumeid.Volume, "probed"))
+	id, err := volumeid.New(accessmode.BackendBlock, zone, kind, volumeid.KeyFor("test", kind, name))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -68,6 +83,13 @@ var controllerProbes = []controllerProbe{
 	{"Creating", func(ctx context.Context, t *testing.T, c backend.Controller) (any, error) {
 		return c.Creating(ctx, volumeIn(t, "zone-a"))
 	}, false},
+	{"SnapshotBlocks", func(ctx context.Context, t *testing.T, c backend.Controller) (any, error) {
+		return c.SnapshotBlocks(ctx, backend.BlockRangesRequest{
+			Base:   objectIn(t, "zone-a", volumeid.Snapshot, "base"),
+			Target: objectIn(t, "zone-a", volumeid.Snapshot, "target"),
+			From:   4096, Limit: 3,
+		})
+	}, (*backend.BlockRanges)(nil)},
 }
 
 // serve puts c behind a storage target's API on a unix socket and returns
@@ -117,7 +139,7 @@ func TestWrappersForwardEveryCapability(t *testing.T) {
 		}
 	}
 
-	zoneA := &capableController{zone: "zone-a", capabilities: capabilities{creating: volumeIn(t, "zone-a")}}
+	zoneA := &capableController{zone: "zone-a", capabilities: capabilities{creating: volumeIn(t, "zone-a"), blocks: true}}
 	zoneB := &capableController{zone: "zone-b"}
 	wrappers := []struct {
 		name string

@@ -5,6 +5,7 @@ package testenv
 // ganesha on loopback.
 
 import (
+	"bytes"
 	"context"
 	"net"
 	"os"
@@ -12,6 +13,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/nfs"
 )
 
@@ -73,4 +75,24 @@ func FreePort(t testing.TB) int {
 	}
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port
+}
+
+// WriteRanges writes fill over each range of the image at path and syncs
+// it: known blocks for tests of which blocks hold data or changed. A fill
+// other than zero keeps them from being taken for holes.
+func WriteRanges(t testing.TB, path string, fill byte, ranges ...backend.BlockRange) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	for _, r := range ranges {
+		if _, err := f.WriteAt(bytes.Repeat([]byte{fill}, int(r.Length)), r.Offset); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
 }

@@ -309,6 +309,15 @@ func (c *Controller) Creating(ctx context.Context, id volumeid.ID) (bool, error)
 	return false, nil
 }
 
+// SnapshotBlocks is unimplemented: this backend keeps no data, so its
+// snapshots have no blocks to describe.
+func (c *Controller) SnapshotBlocks(ctx context.Context, req backend.BlockRangesRequest) (*backend.BlockRanges, error) {
+	if err := c.enter(ctx, "SnapshotBlocks"); err != nil {
+		return nil, err
+	}
+	return nil, status.Errorf(codes.Unimplemented, "snapshot %s: the in-memory backend keeps no data, so it has no block metadata", req.Target)
+}
+
 func (c *Controller) Volume(ctx context.Context, id volumeid.ID) (*backend.Volume, error) {
 	if err := c.enter(ctx, "Volume"); err != nil {
 		return nil, err

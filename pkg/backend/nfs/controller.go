@@ -237,6 +237,13 @@ func (c *Controller) NodeExpansionRequired(*backend.Volume) bool { return false 
 // CreateVolume that makes it.
 func (c *Controller) Creating(context.Context, volumeid.ID) (bool, error) { return false, nil }
 
+// SnapshotBlocks refuses: an NFS volume is a directory tree, not a device,
+// so its snapshots have files, not blocks.
+func (c *Controller) SnapshotBlocks(_ context.Context, req backend.BlockRangesRequest) (*backend.BlockRanges, error) {
+	return nil, status.Errorf(codes.InvalidArgument,
+		"snapshot %s is of an NFS volume (a filesystem); snapshot metadata covers block volumes only", req.Target)
+}
+
 func (c *Controller) volumeRel(id volumeid.ID) string { return filepath.Join("volumes", id.FileName()) }
 func (c *Controller) snapshotRel(id volumeid.ID) string {
 	return filepath.Join("snapshots", id.FileName())

@@ -148,6 +148,12 @@ func (c *Client) Creating(ctx context.Context, id volumeid.ID) (bool, error) {
 	return call[bool](ctx, c, "Creating", idRequest{ID: id})
 }
 
+// SnapshotBlocks asks the target for one page of ranges: the driver streams
+// the pages it gets, so no call carries more than a page.
+func (c *Client) SnapshotBlocks(ctx context.Context, req backend.BlockRangesRequest) (*backend.BlockRanges, error) {
+	return call[*backend.BlockRanges](ctx, c, "SnapshotBlocks", req)
+}
+
 func (c *Client) Volume(ctx context.Context, id volumeid.ID) (*backend.Volume, error) {
 	return call[*backend.Volume](ctx, c, "Volume", idRequest{ID: id})
 }

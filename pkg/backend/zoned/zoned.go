@@ -118,6 +118,21 @@ func (c *Controller) Creating(ctx context.Context, id volumeid.ID) (bool, error)
 	return p.Creating(ctx, id)
 }
 
+// SnapshotBlocks asks the controller of the target snapshot's zone; a base
+// snapshot in another zone cannot be of the same volume.
+func (c *Controller) SnapshotBlocks(ctx context.Context, req backend.BlockRangesRequest) (*backend.BlockRanges, error) {
+	if req.Delta() && req.Base.Zone != req.Target.Zone {
+		return nil, status.Errorf(codes.InvalidArgument,
+			"base snapshot %s is in zone %q and target snapshot %s in zone %q; changes are known only between two snapshots of one volume",
+			req.Base, req.Base.Zone, req.Target, req.Target.Zone)
+	}
+	p, err := c.part(req.Target.Zone)
+	if err != nil {
+		return nil, err
+	}
+	return p.SnapshotBlocks(ctx, req)
+}
+
 func (c *Controller) Volume(ctx context.Context, id volumeid.ID) (*backend.Volume, error) {
 	p, err := c.part(id.Zone)
 	if err != nil {

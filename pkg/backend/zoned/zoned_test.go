@@ -160,3 +160,23 @@ func TestListingFailsWithAnUnreachablePart(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestSnapshotBlocksOfTwoZones: snapshots in two zones cannot be of one
+// volume, and the question goes to neither zone.
+func TestSnapshotBlocksOfTwoZones(t *testing.T) {
+	c, err := New(pool(t, "zone-a"), pool(t, "zone-b"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	snapIn := func(zone string) volumeid.ID {
+		id, err := volumeid.New(accessmode.BackendBlock, zone, volumeid.Snapshot, volumeid.KeyFor("test", volumeid.Snapshot, "s"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	_, err = c.SnapshotBlocks(context.Background(), backend.BlockRangesRequest{Base: snapIn("zone-a"), Target: snapIn("zone-b"), Limit: 1})
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "one volume") {
+		t.Errorf("snapshots of two zones: %v, want INVALID_ARGUMENT saying they cannot be of one volume", err)
+	}
+}
