@@ -28,6 +28,9 @@ func (d *Driver) pluginCapabilities() []*csi.PluginCapability {
 			Service: &csi.PluginCapability_Service{Type: csi.PluginCapability_Service_GROUP_CONTROLLER_SERVICE}}},
 		&csi.PluginCapability{Type: &csi.PluginCapability_Service_{
 			Service: &csi.PluginCapability_Service{Type: csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS}}},
+		// Served for block volumes; NFS snapshots are refused by name.
+		&csi.PluginCapability{Type: &csi.PluginCapability_Service_{
+			Service: &csi.PluginCapability_Service{Type: csi.PluginCapability_Service_SNAPSHOT_METADATA_SERVICE}}},
 		&csi.PluginCapability{Type: &csi.PluginCapability_VolumeExpansion_{
 			VolumeExpansion: &csi.PluginCapability_VolumeExpansion{Type: csi.PluginCapability_VolumeExpansion_ONLINE}}},
 	)

@@ -83,11 +83,12 @@ func (d *Driver) NewGRPCServer() *grpc.Server {
 		// Outermost, so the duration covers everything the driver does.
 		interceptors = append([]grpc.UnaryServerInterceptor{d.cfg.Metrics.UnaryServerInterceptor()}, interceptors...)
 	}
-	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(interceptors...))
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(interceptors...), grpc.ChainStreamInterceptor(logStreams, d.controllerStreamGate))
 	csi.RegisterIdentityServer(srv, &identityServer{d: d})
 	if d.HasRole(RoleController) {
 		csi.RegisterControllerServer(srv, &controllerServer{d: d})
 		csi.RegisterGroupControllerServer(srv, &groupControllerServer{d: d})
+		csi.RegisterSnapshotMetadataServer(srv, &snapshotMetadataServer{d: d})
 		// csi-addons: its sidecar dials the same endpoint.
 		identity.RegisterIdentityServer(srv, &addonsIdentityServer{d: d})
 		fence.RegisterFenceControllerServer(srv, &fenceServer{d: d})
@@ -102,16 +103,34 @@ func (d *Driver) NewGRPCServer() *grpc.Server {
 // until the controller's backends are there: the state they read is not
 // this process's to act on before it holds the controller lock.
 func (d *Driver) controllerGate(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-	controllerCall := strings.HasPrefix(info.FullMethod, "/csi.v1.Controller/") || strings.HasPrefix(info.FullMethod, "/csi.v1.GroupController/") ||
-		strings.HasPrefix(info.FullMethod, "/fence.FenceController/")
+	if err := d.refuseBeforeControllers(info.FullMethod); err != nil {
+		return nil, err
+	}
+	return handler(ctx, req)
+}
+
+// controllerStreamGate is controllerGate for the streaming calls (the
+// SnapshotMetadata service's).
+func (d *Driver) controllerStreamGate(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+	if err := d.refuseBeforeControllers(info.FullMethod); err != nil {
+		return err
+	}
+	return handler(srv, ss)
+}
+
+// refuseBeforeControllers is UNAVAILABLE for a call of a controller-side
+// service while the controller's backends are not there yet, nil otherwise.
+func (d *Driver) refuseBeforeControllers(method string) error {
+	controllerCall := strings.HasPrefix(method, "/csi.v1.Controller/") || strings.HasPrefix(method, "/csi.v1.GroupController/") ||
+		strings.HasPrefix(method, "/csi.v1.SnapshotMetadata/") || strings.HasPrefix(method, "/fence.FenceController/")
 	if controllerCall && !d.controllersReady.Load() {
 		why := "the controller is starting"
 		if w := d.waitingFor.Load(); w != nil {
 			why = *w
 		}
-		return nil, status.Errorf(codes.Unavailable, "not serving controller calls yet: %s", why)
+		return status.Errorf(codes.Unavailable, "not serving controller calls yet: %s", why)
 	}
-	return handler(ctx, req)
+	return nil
 }
 
 // logCalls logs every request and response with secrets stripped, so that
@@ -128,4 +147,18 @@ func logCalls(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler 
 			"duration", time.Since(start))
 	}
 	return resp, err
+}
+
+// logStreams is logCalls for the streaming calls: the request as it came,
+// and the outcome once the stream ends.
+func logStreams(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+	start := time.Now()
+	klog.V(4).InfoS("Stream", "method", info.FullMethod)
+	err := handler(srv, ss)
+	if err != nil {
+		klog.ErrorS(err, "Stream failed", "method", info.FullMethod, "code", status.Code(err), "duration", time.Since(start))
+	} else {
+		klog.V(4).InfoS("Stream done", "method", info.FullMethod, "duration", time.Since(start))
+	}
+	return err
 }
