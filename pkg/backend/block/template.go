@@ -141,25 +141,54 @@ func formatsFromTemplate(vol *backend.Volume) bool {
 // fillFromTemplate gives the empty image dst the filesystem of a template
 // of its size, with a new UUID.
 func (s *templateSet) fillFromTemplate(ctx context.Context, p *pool, fsType string, size int64, dst string) error {
-	t, release, err := s.acquire(ctx, p, fsType, size)
+	err := s.copyTemplate(ctx, p, fsType, size, dst)
+	if errors.Is(err, errTemplateGone) {
+		// Removed behind the controller's back: made again.
+		err = s.copyTemplate(ctx, p, fsType, size, dst)
+	}
 	if err != nil {
 		return err
-	}
-	defer release()
-	// A clone shares the template's extents where the pool has reflinks;
-	// elsewhere only the few hundred KiB a fresh filesystem holds are
-	// copied.
-	err = cloneImage(t.path, dst)
-	if errors.Is(err, errNoReflink) {
-		err = copyDataRuns(t.path, dst)
-	}
-	if err != nil {
-		return status.Errorf(codes.Internal, "copying the %s template: %v", fsType, err)
 	}
 	if err := setExt4UUID(dst, newUUID()); err != nil {
 		return status.Errorf(codes.Internal, "giving the new filesystem its own UUID: %v", err)
 	}
 	return nil
+}
+
+// errTemplateGone: a template's file went away while it was known.
+var errTemplateGone = errors.New("the template's file is gone")
+
+// copyTemplate copies the template of fsType and size into dst. A clone
+// shares the template's extents where the pool has reflinks; elsewhere
+// only the few hundred KiB a fresh filesystem holds are copied.
+func (s *templateSet) copyTemplate(ctx context.Context, p *pool, fsType string, size int64, dst string) error {
+	t, release, err := s.acquire(ctx, p, fsType, size)
+	if err != nil {
+		return err
+	}
+	defer release()
+	err = cloneImage(t.path, dst)
+	if errors.Is(err, errNoReflink) {
+		err = copyDataRuns(t.path, dst)
+	}
+	if _, serr := os.Stat(t.path); err != nil && errors.Is(serr, os.ErrNotExist) {
+		s.forget(t)
+		return errTemplateGone
+	}
+	if err != nil {
+		return status.Errorf(codes.Internal, "copying the %s template: %v", fsType, err)
+	}
+	return nil
+}
+
+// forget drops a template whose file is gone, so that the next use makes
+// it again.
+func (s *templateSet) forget(t *fsTemplate) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.byKey[t.path] == t {
+		delete(s.byKey, t.path)
+	}
 }
 
 // acquire finds the template, making it if needed (one maker per template;

@@ -121,6 +121,20 @@ func TestTemplateIsNeitherAVolumeNorALeftover(t *testing.T) {
 	}
 }
 
+func TestATemplateRemovedBehindTheControllersBackIsMadeAgain(t *testing.T) {
+	f := newFixture(t, "zone-a")
+	f.create(t, mountSpec(t, "zone-a", "first", "ext4", 64<<20))
+	template := f.ctrl.pools["zone-a"].templatePath(fsExt4, 64<<20)
+	if err := os.Remove(template); err != nil {
+		t.Fatal(err)
+	}
+	f.create(t, mountSpec(t, "zone-a", "second", "ext4", 64<<20))
+	if !exists(template) {
+		t.Fatal("the template was not made again")
+	}
+	e2fsckClean(t, imageOf(t, f, volID(t, "zone-a", "second")))
+}
+
 func TestUnusedTemplatesAreDropped(t *testing.T) {
 	f := newFixture(t, "zone-a")
 	p := f.ctrl.pools["zone-a"]
