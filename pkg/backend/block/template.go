@@ -28,6 +28,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -73,8 +74,47 @@ type fsTemplate struct {
 
 func (p *pool) templatesDir() string { return filepath.Join(p.dir, templatesDir) }
 
+// templateFsTypes are the filesystems new volumes copy from a template.
+var templateFsTypes = []string{fsExt4}
+
 func (p *pool) templatePath(fsType string, size int64) string {
-	return filepath.Join(p.templatesDir(), fsType+"-"+strconv.FormatInt(size, 10)+"-"+templateFormatVersion+imageSuffix)
+	return filepath.Join(p.templatesDir(), templateName(fsType, size))
+}
+
+// templateName is the name a complete template of fsType for volumes of
+// size bytes has; nothing else in the directory has such a name.
+func templateName(fsType string, size int64) string {
+	return fsType + "-" + strconv.FormatInt(size, 10) + "-" + templateFormatVersion + imageSuffix
+}
+
+// templateSize reads from name the size of the volumes a template is for;
+// ok is false when name is not that of a complete template of this
+// version.
+func templateSize(name string) (size int64, ok bool) {
+	for _, fsType := range templateFsTypes {
+		digits, found := strings.CutPrefix(name, fsType+"-")
+		if !found {
+			continue
+		}
+		if digits, found = strings.CutSuffix(digits, "-"+templateFormatVersion+imageSuffix); !found {
+			continue
+		}
+		if n, err := strconv.ParseInt(digits, 10, 64); err == nil && n > 0 && templateName(fsType, n) == name {
+			return n, true
+		}
+	}
+	return 0, false
+}
+
+// IsTemplateFile says whether relPath, relative to a pool's directory,
+// names a complete filesystem template (a template gets its name only once
+// complete): a file the controller keeps in the pool as its cache of
+// formatted filesystems, which stays when every volume is deleted. It is
+// no volume and nothing a crash left behind.
+func IsTemplateFile(relPath string) bool {
+	dir, name := filepath.Split(filepath.Clean(relPath))
+	_, ok := templateSize(name)
+	return ok && filepath.Clean(dir) == templatesDir
 }
 
 // loadTemplates keeps the pool's complete templates (made by this
@@ -98,7 +138,8 @@ func (s *templateSet) loadTemplates(p *pool) error {
 	removed := false
 	for _, e := range entries {
 		path := filepath.Join(dir, e.Name())
-		if fi, err := e.Info(); err == nil && fi.Mode().IsRegular() && p.isTemplate(e.Name(), fi.Size()) {
+		size, named := templateSize(e.Name())
+		if fi, err := e.Info(); err == nil && fi.Mode().IsRegular() && named && fi.Size() == size {
 			done := make(chan struct{})
 			close(done)
 			s.byKey[path] = &fsTemplate{path: path, ready: done, lastUsed: fi.ModTime()}
@@ -115,17 +156,6 @@ func (s *templateSet) loadTemplates(p *pool) error {
 		return fsutil.SyncDir(dir)
 	}
 	return nil
-}
-
-// isTemplate says whether name is the name of a complete template of
-// size bytes.
-func (p *pool) isTemplate(name string, size int64) bool {
-	for _, fsType := range []string{fsExt4} {
-		if filepath.Base(p.templatePath(fsType, size)) == name {
-			return true
-		}
-	}
-	return false
 }
 
 // formatsFromTemplate says whether a new volume gets its filesystem from a

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
+	"google.golang.org/grpc/codes"
 )
 
 // filesystemUUIDs reads the UUID of the ext4 filesystem in image from its
@@ -211,6 +212,71 @@ func TestFirstStageFindsAnExt4VolumeFormatted(t *testing.T) {
 		again := f.stage(t, f.mountReq(id, "n1", tt.fsType, false))
 		if got := readFile(t, filepath.Join(again.StagingPath, "data")); got != "kept" {
 			t.Fatalf("%s: after a second stage the file holds %q", tt.fsType, got)
+		}
+	}
+}
+
+// A read-only first stage mounts the filesystem an ext4 volume got at
+// creation: nothing needs writing. An xfs volume has no filesystem until a
+// read/write stage makes it, so its read-only first stage is refused.
+func TestReadOnlyFirstStageNeedsTheFilesystemMadeAtCreate(t *testing.T) {
+	f := newFixture(t, "zone-a")
+	for _, tt := range []struct {
+		fsType  string
+		allowed bool
+	}{{fsExt4, true}, {fsXFS, false}} {
+		f.create(t, mountSpec(t, "zone-a", tt.fsType, tt.fsType, fsSize(tt.fsType)))
+		id := volID(t, "zone-a", tt.fsType)
+		f.attach(t, id, reader("n1"))
+		req := f.mountReq(id, "n1", tt.fsType, true)
+		if !tt.allowed {
+			_, err := f.node.Stage(context.Background(), req)
+			wantCode(t, err, codes.FailedPrecondition)
+			continue
+		}
+		staged := f.stage(t, req)
+		if got := mountedFsType(t, staged.StagingPath); got != tt.fsType || !staged.ReadOnly {
+			t.Fatalf("the read-only first stage mounted %q (read-only %t), want %s read-only", got, staged.ReadOnly, tt.fsType)
+		}
+		f.unstage(t, staged)
+	}
+	assertNothingStagedUnder(t, f.root)
+}
+
+// Only a complete template of this version, in the templates directory,
+// is one: not a template half made, of another format, or elsewhere.
+func TestIsTemplateFile(t *testing.T) {
+	f := newFixture(t, "zone-a")
+	p := f.ctrl.pools["zone-a"]
+	f.create(t, mountSpec(t, "zone-a", "vol", "ext4", 64<<20))
+	made, err := filepath.Rel(p.dir, p.templatePath(fsExt4, 64<<20))
+	if err != nil || !exists(filepath.Join(p.dir, made)) {
+		t.Fatalf("no template at %s (%v)", made, err)
+	}
+	halfMade, err := tempName(p.templatePath(fsExt4, 128<<20))
+	if err != nil {
+		t.Fatal(err)
+	}
+	halfMade, _ = filepath.Rel(p.dir, halfMade)
+	for _, tt := range []struct {
+		relPath string
+		want    bool
+	}{
+		{made, true},
+		{"templates/ext4-33554432-v1.img", true},
+		{halfMade, false},
+		{"templates/ext4-1234-v0.img", false},
+		{"templates/xfs-33554432-v1.img", false},
+		{"templates/ext4-033554432-v1.img", false},
+		{"templates/ext4-0-v1.img", false},
+		{"templates/ext4-33554432-v1.img.json", false},
+		{"templates/other", false},
+		{"ext4-33554432-v1.img", false},
+		{"volumes/ext4-33554432-v1.img", false},
+		{"volumes/templates/ext4-33554432-v1.img", false},
+	} {
+		if got := IsTemplateFile(tt.relPath); got != tt.want {
+			t.Errorf("IsTemplateFile(%q) = %t, want %t", tt.relPath, got, tt.want)
 		}
 	}
 }
