@@ -90,10 +90,10 @@ func TestStateFilesArePrivate(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	// Three volumes and a snapshot, each an image and its metadata; two
-	// lock files (the clone is neither staged nor published); the pool's
-	// marker.
-	if files[".img"] != 4 || files[".json"] != 7 {
-		t.Errorf("walked %d images and %d JSON files, want 4 and 7: the walk missed what the driver wrote", files[".img"], files[".json"])
+	// Three volumes and a snapshot, each an image and its metadata; the
+	// template the ext4 volume's filesystem was copied from; two lock files
+	// (the clone is neither staged nor published); the pool's marker.
+	if files[".img"] != 5 || files[".json"] != 7 {
+		t.Errorf("walked %d images and %d JSON files, want 5 and 7: the walk missed what the driver wrote", files[".img"], files[".json"])
 	}
 }

@@ -48,6 +48,9 @@ type options struct {
 	perCallCounts []int
 	fioSeconds    int
 	keepWorkDir   bool
+	// concurrent is how many creates (then deletes) are in flight at once
+	// in the concurrency measurement.
+	concurrent int
 }
 
 // row is one line of the table.
@@ -85,6 +88,7 @@ func main() {
 	flag.IntVar(&o.listVols, "list-volumes", 10000, "volumes for ListVolumes paging and controller memory")
 	flag.IntVar(&o.nodeVols, "node-volumes", 200, "volumes published on the node for its start-up and memory")
 	flag.IntVar(&o.fioSeconds, "fio-seconds", 10, "runtime of each fio job")
+	flag.IntVar(&o.concurrent, "concurrent", 64, "creates and deletes in flight at once in the concurrency measurement")
 	flag.BoolVar(&o.keepWorkDir, "keep", false, "keep the work directory (logs)")
 	flag.IntVar(&driverVerbosity, "driver-v", 1, "-v of the driver processes")
 	flag.Parse()

@@ -349,14 +349,14 @@ const concurrencyVolumeSize = 256 << 20
 // fit the pool's disk.
 const scaleVolumeSize = 1 << 20
 
-// concurrency: 64 CreateVolume calls at once, then 64 DeleteVolume calls,
-// against the same calls one at a time.
+// concurrency: -concurrent CreateVolume calls at once, then as many
+// DeleteVolume calls, against the same calls one at a time.
 func concurrency(ctx context.Context, b *bench) ([]row, error) {
 	p, err := b.startBlockPair(ctx, "concurrency")
 	if err != nil {
 		return nil, err
 	}
-	const n = 64
+	n := b.opts.concurrent
 	var rows []row
 	for _, kind := range []struct{ name, fs string }{{"raw block", ""}, {"ext4", "ext4"}} {
 		c := capability(singleWriter, kind.fs)
@@ -378,8 +378,8 @@ func concurrency(ctx context.Context, b *bench) ([]row, error) {
 		pm, _ := stats(parS)
 		slicesSortFloat(ratios)
 		rows = append(rows,
-			durationRow(fmt.Sprintf("64 creates + 64 deletes (256 MiB), one at a time, %s", kind.name), seqS, "", fmt.Sprintf("%.0f calls/s", 2*n/sm.Seconds())),
-			durationRow(fmt.Sprintf("64 creates + 64 deletes (256 MiB), all in flight, %s", kind.name), parS, "", fmt.Sprintf("%.0f calls/s, no errors", 2*n/pm.Seconds())),
+			durationRow(fmt.Sprintf("%d creates + %d deletes (256 MiB), one at a time, %s", n, n, kind.name), seqS, "", fmt.Sprintf("%.0f calls/s", float64(2*n)/sm.Seconds())),
+			durationRow(fmt.Sprintf("%d creates + %d deletes (256 MiB), all in flight, %s", n, n, kind.name), parS, "", fmt.Sprintf("%.0f calls/s, no errors", float64(2*n)/pm.Seconds())),
 			row{name: "  throughput gain", value: fmt.Sprintf("%.2fx", ratios[len(ratios)/2]),
 				spread: fmt.Sprintf("%.2fx..%.2fx", ratios[0], ratios[len(ratios)-1]), target: ">= 3x"})
 	}

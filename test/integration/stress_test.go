@@ -81,9 +81,12 @@ type stressVol struct {
 	name  string
 	mode  csi.VolumeCapability_AccessMode_Mode
 	block bool
-	zone  string
-	pool  string
-	size  int64
+	// fsType is the filesystem the volume names at creation ("" for raw
+	// block).
+	fsType string
+	zone   string
+	pool   string
+	size   int64
 
 	id     string
 	volCtx map[string]string
@@ -93,8 +96,8 @@ type stressVol struct {
 	ctrlMu sync.Mutex
 	nodeMu []sync.Mutex
 
-	// formatted: the volume has its filesystem (made at creation for a
-	// read-only mode, else by the first read/write stage).
+	// formatted: the volume has its filesystem (made at creation where
+	// formattedAtCreate says so, else by the first read/write stage).
 	formatted atomic.Bool
 
 	attach   []*stressAttach
@@ -108,9 +111,19 @@ func (v *stressVol) capability() *csi.VolumeCapability {
 	if v.block {
 		c.AccessType = &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}
 	} else {
-		c.AccessType = &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}}
+		c.AccessType = &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: v.fsType}}
 	}
 	return c
+}
+
+// formattedAtCreate says whether CreateVolume gives the volume its
+// filesystem: where no node may ever write it (a read-only mode), and
+// where it names ext4, which the controller copies from a template. Every
+// stress volume is made empty, never a restore or a clone, which bring
+// their source's filesystem. A volume naming xfs or no filesystem has none
+// until its first read/write stage.
+func (v *stressVol) formattedAtCreate() bool {
+	return readOnlyMode(v.mode) || v.fsType == "ext4"
 }
 
 func (v *stressVol) lockAll() func() {
@@ -857,21 +870,22 @@ func TestStressInvariants(t *testing.T) {
 	}
 
 	for _, spec := range []struct {
-		name  string
-		mode  csiMode
-		block bool
-		zone  string
+		name   string
+		mode   csiMode
+		block  bool
+		fsType string
+		zone   string
 	}{
-		{"snw-mount", csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false, "zone-a"},
-		{"rwop-mount", csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER, false, "zone-a"},
-		{"snmw-mount", csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER, false, "zone-a"},
-		{"rox-mount", csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY, false, "zone-a"},
-		{"rwx-block", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, true, "zone-a"},
-		{"mnsw-block", csi.VolumeCapability_AccessMode_MULTI_NODE_SINGLE_WRITER, true, "zone-a"},
-		{"rwop-block", csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER, true, "zone-a"},
-		{"snmw-mount-b", csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER, false, "zone-b"},
+		{"snw-mount", csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false, "ext4", "zone-a"},
+		{"rwop-mount", csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER, false, "ext4", "zone-a"},
+		{"snmw-mount", csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER, false, "ext4", "zone-a"},
+		{"rox-mount", csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY, false, "ext4", "zone-a"},
+		{"rwx-block", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, true, "", "zone-a"},
+		{"mnsw-block", csi.VolumeCapability_AccessMode_MULTI_NODE_SINGLE_WRITER, true, "", "zone-a"},
+		{"rwop-block", csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER, true, "", "zone-a"},
+		{"snmw-mount-b", csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER, false, "ext4", "zone-b"},
 	} {
-		v := &stressVol{name: spec.name, mode: spec.mode, block: spec.block, zone: spec.zone, pool: pools[spec.zone], size: 32 << 20,
+		v := &stressVol{name: spec.name, mode: spec.mode, block: spec.block, fsType: spec.fsType, zone: spec.zone, pool: pools[spec.zone], size: 32 << 20,
 			nodeMu: make([]sync.Mutex, len(s.nodes)), attach: make([]*stressAttach, len(s.nodes)),
 			staged: make([]bool, len(s.nodes)), stagedRO: make([]bool, len(s.nodes)), targets: make([]map[string]stressTarget, len(s.nodes))}
 		if v.block {
@@ -880,9 +894,7 @@ func TestStressInvariants(t *testing.T) {
 		for n := range v.targets {
 			v.targets[n] = map[string]stressTarget{}
 		}
-		v.formatted.Store(readOnlyMode(v.mode))
-		// ROX mount volumes get their filesystem at creation: no node
-		// may ever write to them to format them.
+		v.formatted.Store(v.formattedAtCreate())
 		r, err := s.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "stress-" + v.name, CapacityRange: &csi.CapacityRange{RequiredBytes: v.size},
 			VolumeCapabilities:        []*csi.VolumeCapability{v.capability()},
 			AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{driver.TopologyZoneKey: v.zone}}}}})
@@ -1052,17 +1064,22 @@ func mustCSI(t *testing.T, what string, f func(ctx context.Context) error) {
 }
 
 // filesUnder lists the regular files (and anything else not a directory)
-// below dir, relative to it.
+// below dir, relative to it, but those the driver keeps there for good.
 func filesUnder(dir string) []string {
 	var files []string
 	_ = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return nil
+		}
+		rel, _ := filepath.Rel(dir, p)
 		// The controller lock stays with the pool, as its directories do:
 		// removing a lock file that another process may have open would
 		// let two processes hold "the" lock on two different files. So
-		// does the pool's marker, which says whose pool it is.
-		kept := (d != nil && (d.Name() == controllerlock.FileName || d.Name() == block.PoolMarkerFile)) && filepath.Dir(p) == dir
-		if err == nil && !d.IsDir() && !kept {
-			rel, _ := filepath.Rel(dir, p)
+		// do the pool's marker, which says whose pool it is, and the
+		// filesystem templates new volumes are copied from, the
+		// controller's cache.
+		kept := rel == controllerlock.FileName || rel == block.PoolMarkerFile || block.IsTemplateFile(rel)
+		if !kept {
 			files = append(files, rel)
 		}
 		return nil

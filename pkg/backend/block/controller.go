@@ -62,6 +62,8 @@ type Controller struct {
 
 	// mounter replays the journal of copied filesystems (replayJournal).
 	mounter *mount.SafeFormatAndMount
+	// templates are the pools' formatted filesystems new volumes copy.
+	templates templateSet
 }
 
 // NewController opens the pools (zone -> directory), creates their
@@ -91,6 +93,9 @@ func NewController(pools map[string]string) (*Controller, error) {
 
 func (c *Controller) load(p *pool) error {
 	if err := p.mark(); err != nil {
+		return fmt.Errorf("block pool %q: %w", p.zone, err)
+	}
+	if err := c.templates.loadTemplates(p); err != nil {
 		return fmt.Errorf("block pool %q: %w", p.zone, err)
 	}
 	for _, kind := range []volumeid.Kind{volumeid.Volume, volumeid.Snapshot} {
@@ -344,7 +349,7 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 				return err
 			}
 		}
-		return c.completeVolume(ctx, m, vol, spec.Modes)
+		return c.completeVolume(ctx, p, m, vol, spec.Modes)
 	}
 	if !byteCopy {
 		if err := finish(ctx); err != nil {
@@ -402,11 +407,18 @@ func newVolumeRecord(spec backend.VolumeSpec, source *backend.Source) *backend.V
 }
 
 // completeVolume turns the image under construction (empty, or holding its
-// source's bytes) into the volume: sized, its copied journal replayed or
-// its filesystem made where no node may ever write it, published, and
+// source's bytes) into the volume: an empty ext4 volume's filesystem copied
+// from its pool's template (template.go), sized, its copied journal replayed
+// or an xfs filesystem made where no node may ever write it, published, and
 // recorded, in that order, so that a crash at any step leaves a leftover
 // the next start removes and never a record without its image.
-func (c *Controller) completeVolume(ctx context.Context, m *imageInProgress, vol *backend.Volume, modes []accessmode.Mode) error {
+func (c *Controller) completeVolume(ctx context.Context, p *pool, m *imageInProgress, vol *backend.Volume, modes []accessmode.Mode) error {
+	templated := formatsFromTemplate(vol)
+	if templated {
+		if err := c.templates.fillFromTemplate(ctx, p, fsExt4, vol.CapacityBytes, m.tmp); err != nil {
+			return err
+		}
+	}
 	if err := growAndSync(m.tmp, vol.CapacityBytes); err != nil {
 		return status.Errorf(codes.Internal, "sizing image of %s: %v", vol.ID, err)
 	}
@@ -419,7 +431,7 @@ func (c *Controller) completeVolume(ctx context.Context, m *imageInProgress, vol
 		}
 		rewritten = true
 	}
-	if formatsAtCreate(vol.AccessType, modes, vol.Source) {
+	if !templated && formatsAtCreate(vol.AccessType, modes, vol.Source) {
 		if err := mkfs(ctx, fsOrDefault(vol.FsType), m.tmp); err != nil {
 			return err
 		}

@@ -11,6 +11,8 @@
 //	DIR/snapshots/<file name>.json   the backend.Snapshot, JSON, mode 0600
 //	DIR/snapshots/<file name>.img    the snapshot's image (a sparse or reflink copy)
 //	DIR/{volumes,snapshots}/.<name>.tmp-*   work in progress, never read
+//	DIR/templates/ext4-<bytes>-v1.img        a formatted filesystem new ext4
+//	                                         volumes of that size copy (template.go)
 //
 // where <file name> is volumeid.ID.FileName() of the object's id, so the
 // id alone locates its files and a path can only ever be built from an id
@@ -33,7 +35,9 @@
 // has not recorded as attached, and a read-only stage gets a read-only loop
 // device, so the kernel itself refuses writes (EROFS) whatever the mount
 // flags say. Volumes whose every mode is read-only are formatted at
-// creation, because no node may ever write to them to format them later.
+// creation, because no node may ever write to them to format them later;
+// so are all empty ext4 volumes, whose filesystem is a copy of a template
+// (template.go) that costs less than a mkfs at the first stage.
 //
 // # Snapshots and clones of volumes in use
 //

@@ -7,7 +7,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 
@@ -167,64 +166,31 @@ func mkfs(ctx context.Context, fsType, image string) error {
 	return nil
 }
 
-// growExt4Offline grows an unmounted ext4 filesystem to fill its device,
-// and does nothing (not even the forced check) when it already does.
-func growExt4Offline(ctx context.Context, dev string) error {
+// growExt4Offline grows the unmounted ext4 filesystem whose superblock is
+// sb to fill its device, and does nothing (not even the forced check) when
+// it already does. grown says it changed the filesystem.
+func growExt4Offline(ctx context.Context, dev string, sb ext4Super) (grown bool, err error) {
 	devBytes, err := loop.Size(dev)
 	if err != nil {
-		return err
+		return false, err
 	}
-	out, err := command.Run(ctx, "dumpe2fs", "-h", dev)
-	if err != nil {
-		return err
-	}
-	blockCount, blockSize, err := parseExt4Geometry(string(out))
-	if err != nil {
-		return fmt.Errorf("dumpe2fs -h %s: %w", dev, err)
-	}
+	blockCount, blockSize := sb.blockCount(), sb.blockSize()
 	if blockCount*blockSize+blockSize > devBytes {
-		return nil
+		return false, nil
 	}
 	// resize2fs insists on a freshly checked filesystem. Exit status 1
 	// means e2fsck fixed something and the filesystem is now consistent.
 	if _, err := command.Run(ctx, "e2fsck", "-f", "-p", dev); err != nil {
 		var exit *exec.ExitError
 		if !errors.As(err, &exit) || exit.ExitCode() != 1 {
-			return err
+			return false, err
 		}
 	}
 	if _, err := command.Run(ctx, "resize2fs", dev); err != nil {
-		return err
+		return false, err
 	}
 	klog.InfoS("Grew ext4 filesystem to fill its device", "device", dev, "fromBytes", blockCount*blockSize, "toBytes", devBytes)
-	return nil
-}
-
-// parseExt4Geometry reads the block count and block size from the output
-// of dumpe2fs -h.
-func parseExt4Geometry(out string) (blockCount, blockSize int64, err error) {
-	for _, line := range strings.Split(out, "\n") {
-		key, value, ok := strings.Cut(line, ":")
-		if !ok {
-			continue
-		}
-		var target *int64
-		switch strings.TrimSpace(key) {
-		case "Block count":
-			target = &blockCount
-		case "Block size":
-			target = &blockSize
-		default:
-			continue
-		}
-		if *target, err = strconv.ParseInt(strings.TrimSpace(value), 10, 64); err != nil {
-			return 0, 0, fmt.Errorf("parsing %q: %w", line, err)
-		}
-	}
-	if blockCount <= 0 || blockSize <= 0 {
-		return 0, 0, fmt.Errorf("no block count and block size in the output")
-	}
-	return blockCount, blockSize, nil
+	return true, nil
 }
 
 // errNoReflink: the pool's filesystem cannot share extents between files.
@@ -236,6 +202,24 @@ var errNoReflink = errors.New("the pool's filesystem cannot clone files (no refl
 // It answers errNoReflink where the pool's filesystem has no reflinks
 // (ext4, tmpfs; xfs made with reflink=0).
 func cloneImage(src, dst string) error {
+	err := betweenFiles(src, dst, func(in, out *os.File) error {
+		if err := unix.IoctlFileClone(int(out.Fd()), int(in.Fd())); err != nil {
+			return err
+		}
+		return out.Sync()
+	})
+	switch {
+	case errors.Is(err, unix.EOPNOTSUPP), errors.Is(err, unix.ENOTTY), errors.Is(err, unix.EXDEV),
+		errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOSYS):
+		return errNoReflink
+	}
+	return err
+}
+
+// betweenFiles opens src to read and dst, an existing file, to write, has
+// f copy between them and closes both, reporting f's error or else a
+// failed close of dst (where a write may report itself).
+func betweenFiles(src, dst string, f func(in, out *os.File) error) error {
 	in, err := os.Open(src)
 	if err != nil {
 		return err
@@ -245,17 +229,9 @@ func cloneImage(src, dst string) error {
 	if err != nil {
 		return err
 	}
-	err = unix.IoctlFileClone(int(out.Fd()), int(in.Fd()))
-	if err == nil {
-		err = out.Sync()
-	}
+	err = f(in, out)
 	if cerr := out.Close(); err == nil {
 		err = cerr
-	}
-	switch {
-	case errors.Is(err, unix.EOPNOTSUPP), errors.Is(err, unix.ENOTTY), errors.Is(err, unix.EXDEV),
-		errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOSYS):
-		return errNoReflink
 	}
 	return err
 }

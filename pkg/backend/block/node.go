@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
@@ -22,6 +23,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/pkg/mounts"
 	"github.com/modeguard/modeguard/pkg/volumeid"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
@@ -216,12 +218,26 @@ func (n *Node) alreadyStaged(t transport, req backend.StageRequest, fsType strin
 	}, nil
 }
 
+// stageFormats counts the filesystems stages made, so that a test can
+// tell a volume's first stage that found its filesystem from one that
+// formatted.
+var stageFormats atomic.Int64
+
 // mountStaged formats (first use only) and mounts the staged device.
 // writable says whether any node may ever write the volume (mountOptions).
 func (n *Node) mountStaged(ctx context.Context, staged *backend.Staged, writable bool, mountFlags []string) error {
-	existing, err := n.mounter.GetDiskFormat(staged.Device)
+	// An ext4 superblock is read here rather than by blkid and dumpe2fs:
+	// it says what the volume holds, how large it is and whether it is
+	// clean, without running a program.
+	sb, isExt4, err := readExt4Super(staged.Device)
 	if err != nil {
 		return status.Errorf(codes.Internal, "probing volume %s: %v", staged.VolumeID, err)
+	}
+	existing := fsExt4
+	if !isExt4 {
+		if existing, err = n.mounter.GetDiskFormat(staged.Device); err != nil {
+			return status.Errorf(codes.Internal, "probing volume %s: %v", staged.VolumeID, err)
+		}
 	}
 	switch {
 	case existing == "" && staged.ReadOnly:
@@ -235,20 +251,36 @@ func (n *Node) mountStaged(ctx context.Context, staged *backend.Staged, writable
 		return status.Errorf(codes.FailedPrecondition,
 			"volume %s holds a %s filesystem, not %s", staged.VolumeID, existing, fsOrDefault(staged.FsType))
 	}
+	grown := false
 	if existing == fsExt4 && !staged.ReadOnly {
 		// A volume restored or cloned into a larger capacity brings a
 		// filesystem sized for its source. ext4 grows before the mount,
 		// because growing it mounted needs CAP_SYS_RESOURCE, which node
 		// plugins often run without.
-		if err := growExt4Offline(ctx, staged.Device); err != nil {
+		if grown, err = growExt4Offline(ctx, staged.Device, sb); err != nil {
 			return status.Errorf(codes.Internal, "growing filesystem of volume %s: %v", staged.VolumeID, err)
 		}
 	}
 	if err := os.MkdirAll(staged.StagingPath, 0o750); err != nil {
 		return status.Errorf(codes.Internal, "creating staging path: %v", err)
 	}
-	if err := n.mounter.FormatAndMount(staged.Device, staged.StagingPath, staged.FsType, mountOptions(staged.FsType, staged.ReadOnly, writable, mountFlags)); err != nil {
-		return status.Errorf(codes.Internal, "mounting volume %s at %s: %v", staged.VolumeID, staged.StagingPath, err)
+	opts := mountOptions(staged.FsType, staged.ReadOnly, writable, mountFlags)
+	// A clean ext4 is mounted with mount(2): the check FormatAndMount runs
+	// before a read/write mount (fsck -a) has nothing to do on it, and
+	// mount(8) would only parse the options.
+	mounted := false
+	if isExt4 && !grown && (staged.ReadOnly || sb.clean()) {
+		if mounted, err = mountDirect(staged.Device, staged.StagingPath, fsExt4, opts); err != nil {
+			return status.Errorf(codes.Internal, "mounting volume %s at %s: %v", staged.VolumeID, staged.StagingPath, err)
+		}
+	}
+	if !mounted {
+		if existing == "" {
+			stageFormats.Add(1)
+		}
+		if err := n.mounter.FormatAndMount(staged.Device, staged.StagingPath, staged.FsType, opts); err != nil {
+			return status.Errorf(codes.Internal, "mounting volume %s at %s: %v", staged.VolumeID, staged.StagingPath, err)
+		}
 	}
 	if staged.ReadOnly || existing != fsXFS {
 		return nil
@@ -261,6 +293,55 @@ func (n *Node) mountStaged(ctx context.Context, staged *backend.Staged, writable
 		return status.Errorf(codes.Internal, "growing filesystem of volume %s: %v", staged.VolumeID, err)
 	}
 	return nil
+}
+
+// mountFlagOptions are the mount options mount(8) turns into mount(2)
+// flags: set, or (clear) taken away.
+var mountFlagOptions = map[string]struct {
+	flag  uintptr
+	clear bool
+}{
+	"defaults": {}, "rw": {unix.MS_RDONLY, true}, "ro": {unix.MS_RDONLY, false},
+	"nosuid": {unix.MS_NOSUID, false}, "suid": {unix.MS_NOSUID, true},
+	"nodev": {unix.MS_NODEV, false}, "dev": {unix.MS_NODEV, true},
+	"noexec": {unix.MS_NOEXEC, false}, "exec": {unix.MS_NOEXEC, true},
+	"sync": {unix.MS_SYNCHRONOUS, false}, "async": {unix.MS_SYNCHRONOUS, true},
+	"dirsync": {unix.MS_DIRSYNC, false},
+	"noatime": {unix.MS_NOATIME, false}, "atime": {unix.MS_NOATIME, true},
+	"nodiratime": {unix.MS_NODIRATIME, false}, "diratime": {unix.MS_NODIRATIME, true},
+	"relatime": {unix.MS_RELATIME, false}, "norelatime": {unix.MS_RELATIME, true},
+	"strictatime": {unix.MS_STRICTATIME, false},
+	"lazytime":    {unix.MS_LAZYTIME, false}, "nolazytime": {unix.MS_LAZYTIME, true},
+}
+
+// fsDataOptions are the filesystem options the driver itself adds
+// (mountOptions), which mount(8) hands to the kernel as they are.
+var fsDataOptions = map[string]bool{"noload": true, "norecovery": true, "nouuid": true}
+
+// mountDirect mounts dev at target with mount(2) when every option is one
+// it knows (mountFlagOptions, fsDataOptions), as mount(8) would; mounted
+// is false, and nothing done, when an option needs mount(8) itself.
+func mountDirect(dev, target, fsType string, opts []string) (mounted bool, err error) {
+	var flags uintptr
+	var data []string
+	for _, o := range opts {
+		if f, ok := mountFlagOptions[o]; ok {
+			if f.clear {
+				flags &^= f.flag
+			} else {
+				flags |= f.flag
+			}
+			continue
+		}
+		if !fsDataOptions[o] {
+			return false, nil
+		}
+		data = append(data, o)
+	}
+	if err := unix.Mount(dev, target, fsType, flags, strings.Join(data, ",")); err != nil {
+		return false, fmt.Errorf("mount -t %s -o %s %s %s: %w", fsType, strings.Join(opts, ","), dev, target, err)
+	}
+	return true, nil
 }
 
 // mountOptions puts the driver's options after the CO's, so that "ro" wins
@@ -342,8 +423,12 @@ func (n *Node) unmountIfOurs(ctx context.Context, id volumeid.ID, staged *backen
 			"stagingPath", staged.StagingPath, "source", m.Source, "fsType", m.FSType)
 		return "", nil
 	}
-	if err := n.mounter.Unmount(staged.StagingPath); err != nil {
-		return "", status.Errorf(codes.Internal, "unmounting %s: %v", staged.StagingPath, err)
+	// umount(2) first: umount(8) costs a program run and does the same
+	// for these mounts; it stays the way to handle what umount(2) refuses.
+	if err := unix.Unmount(staged.StagingPath, 0); err != nil {
+		if err := n.mounter.Unmount(staged.StagingPath); err != nil {
+			return "", status.Errorf(codes.Internal, "unmounting %s: %v", staged.StagingPath, err)
+		}
 	}
 	name, _ := mounts.BlockDeviceName(m.Major, m.Minor)
 	return "/dev/" + name, nil

@@ -234,8 +234,9 @@ func TestFailedMountDetachesTheLoopDevice(t *testing.T) {
 	wantCode(t, err, codes.FailedPrecondition)
 	assertNothingStagedUnder(t, f.root)
 
-	// Read-only first use cannot format.
-	fresh := mountSpec(t, "zone-a", "fresh", "ext4", 64*mib)
+	// Read-only first use cannot format (a volume that names no
+	// filesystem is formatted by its first stage).
+	fresh := mountSpec(t, "zone-a", "fresh", "", 64*mib)
 	f.create(t, fresh)
 	f.attach(t, fresh.ID, reader("n1"))
 	_, err = f.node.Stage(context.Background(), f.mountReq(fresh.ID, "n1", "fresh", true))

@@ -219,26 +219,3 @@ func TestFormatsAtCreateOnlyWhenNoNodeMayWrite(t *testing.T) {
 		})
 	}
 }
-
-func TestParseExt4Geometry(t *testing.T) {
-	tests := []struct {
-		name      string
-		out       string
-		wantCount int64
-		wantSize  int64
-		wantErr   bool
-	}{
-		{"dumpe2fs header", "Filesystem volume name:   <none>\nBlock count:              16384\nReserved block count:     0\nBlock size:               4096\n", 16384, 4096, false},
-		{"missing block size", "Block count: 16384\n", 0, 0, true},
-		{"garbage number", "Block count: many\nBlock size: 4096\n", 0, 0, true},
-		{"empty", "", 0, 0, true},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			count, size, err := parseExt4Geometry(tt.out)
-			if (err != nil) != tt.wantErr || count != tt.wantCount || size != tt.wantSize {
-				t.Fatalf("got %d, %d, %v; want %d, %d, error %v", count, size, err, tt.wantCount, tt.wantSize, tt.wantErr)
-			}
-		})
-	}
-}
