@@ -239,3 +239,35 @@ func groupsWhileWriting(t *testing.T, f *fixture, atOnce bool) {
 		t.Logf("group %d: acknowledged before %d, log %d, data %d", i, g.acked, log, data)
 	}
 }
+
+// TestCaptureLeftByACrashIsRemovedAtStart: a controller that dies while a
+// group's members are cloned out of its capture leaves the capture, a
+// read-only subvolume in the pool; the next start removes it and keeps the
+// volumes.
+func TestCaptureLeftByACrashIsRemovedAtStart(t *testing.T) {
+	requireRoot(t)
+	pool := filepath.Join(testenv.LoopFilesystem(t, 1<<30, "btrfs", "-q"), "pool")
+	if err := os.Mkdir(pool, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	root := testRoot(t)
+	f := openFixture(t, root, map[string]string{"zone-a": pool})
+	spec := mountSpec(t, "zone-a", "kept", "", 16*mib)
+	spec.AccessType, spec.FsType = accessmode.Block, ""
+	f.create(t, spec)
+	capture := groupCapturePrefix + "crashed"
+	if err := snapshotSubvolume(filepath.Join(pool, volumesDir), pool, capture); err != nil {
+		t.Fatal(err)
+	}
+	if !exists(filepath.Join(pool, capture, spec.ID.FileName()+imageSuffix)) {
+		t.Fatal("the capture holds no image of the volume")
+	}
+
+	again := openFixture(t, root, map[string]string{"zone-a": pool})
+	if exists(filepath.Join(pool, capture)) {
+		t.Errorf("the capture %s is still in the pool after a start", capture)
+	}
+	if _, err := again.ctrl.Volume(context.Background(), spec.ID); err != nil {
+		t.Errorf("the volume after the start: %v", err)
+	}
+}
