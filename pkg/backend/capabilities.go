@@ -31,6 +31,14 @@ type ControllerCapabilities interface {
 	// record answers with a status saying so (Unimplemented, or
 	// InvalidArgument where its snapshots are not of block volumes).
 	SnapshotBlocks(ctx context.Context, req BlockRangesRequest) (*BlockRanges, error)
+	// CreateSnapshotGroup takes a snapshot of each member's source, all of
+	// one instant: no member holds a write acknowledged after a write
+	// missing from another member, however many of them are being written.
+	// A backend that can capture its volumes only one after the other
+	// answers with SnapshotOneAtATime, which refuses (FAILED_PRECONDITION)
+	// a group of which more than one volume is attached read/write. The
+	// members are of one zone. On error no member is left.
+	CreateSnapshotGroup(ctx context.Context, members []GroupMember) ([]*Snapshot, error)
 }
 
 // NodeCapabilities are the optional abilities of a node backend.

@@ -23,6 +23,7 @@ import (
 type capabilities struct {
 	creating volumeid.ID // the volume being created in the background
 	blocks   bool        // whether it answers block metadata
+	groups   bool        // whether it takes group snapshots
 }
 
 var _ backend.ControllerCapabilities = capabilities{}
@@ -39,6 +40,20 @@ func (c capabilities) SnapshotBlocks(_ context.Context, req backend.BlockRangesR
 	}
 	return &backend.BlockRanges{CapacityBytes: 1 << 30, Ranges: []backend.BlockRange{{Offset: req.From, Length: int64(req.Limit)}},
 		Done: req.Delta()}, nil
+}
+
+// CreateSnapshotGroup answers a snapshot per member, made of the request
+// (one still being cut), so that a wrapper that loses a member, a field or
+// the Cutting flag on the way is seen to.
+func (c capabilities) CreateSnapshotGroup(_ context.Context, members []backend.GroupMember) ([]*backend.Snapshot, error) {
+	if !c.groups {
+		return nil, nil
+	}
+	out := make([]*backend.Snapshot, 0, len(members))
+	for i, m := range members {
+		out = append(out, &backend.Snapshot{ID: m.ID.String(), Name: m.Name, SourceVolumeID: m.Source.String(), Cutting: i == 0})
+	}
+	return out, nil
 }
 
 // basics stands for what every controller does; nil, as no probe asks it.
@@ -90,6 +105,14 @@ var controllerProbes = []controllerProbe{
 			From:   4096, Limit: 3,
 		})
 	}, (*backend.BlockRanges)(nil)},
+	{"CreateSnapshotGroup", func(ctx context.Context, t *testing.T, c backend.Controller) (any, error) {
+		var members []backend.GroupMember
+		for _, name := range []string{"log", "data"} {
+			members = append(members, backend.GroupMember{ID: objectIn(t, "zone-a", volumeid.Snapshot, name), Name: "group/2/" + name,
+				Source: objectIn(t, "zone-a", volumeid.Volume, name)})
+		}
+		return c.CreateSnapshotGroup(ctx, members)
+	}, ([]*backend.Snapshot)(nil)},
 }
 
 // serve puts c behind a storage target's API on a unix socket and returns
@@ -139,7 +162,7 @@ func TestWrappersForwardEveryCapability(t *testing.T) {
 		}
 	}
 
-	zoneA := &capableController{zone: "zone-a", capabilities: capabilities{creating: volumeIn(t, "zone-a"), blocks: true}}
+	zoneA := &capableController{zone: "zone-a", capabilities: capabilities{creating: volumeIn(t, "zone-a"), blocks: true, groups: true}}
 	zoneB := &capableController{zone: "zone-b"}
 	wrappers := []struct {
 		name string

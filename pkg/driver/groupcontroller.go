@@ -29,14 +29,17 @@ import (
 // again, from one point in time.
 //
 // One point in time: every member's lock is held while the snapshots are
-// taken, so no node can be attached to a member in between, and at most one
-// member may be attached read/write: a single snapshot of a volume being
-// written is taken atomically (a reflink, or a frozen filesystem for NFS),
-// but two such volumes would be snapshotted one after the other while both
+// taken, so no node can be attached to a member in between, and the backend
+// takes them (backend.ControllerCapabilities.CreateSnapshotGroup). A block
+// pool whose volumes are a btrfs subvolume captures them all at one
+// instant, however many are being written. Elsewhere a single snapshot of a
+// volume being written is atomic (a reflink, or a frozen filesystem for
+// NFS), but two such volumes would be taken one after the other while both
 // go on being written, and a workload that writes its log to one and its
-// data to the other would find the pair out of step. That case is refused
-// (FAILED_PRECONDITION, naming the writers) rather than answered with a
-// group that only looks consistent.
+// data to the other would find the pair out of step: there a group of more
+// than one volume attached read/write is refused (FAILED_PRECONDITION,
+// naming the writers) rather than answered with a group that only looks
+// consistent.
 
 type groupControllerServer struct {
 	csi.UnimplementedGroupControllerServer
@@ -173,19 +176,6 @@ func groupSources(raw []string) ([]volumeid.ID, error) {
 	return ids, nil
 }
 
-// writers names the nodes a volume is attached to read/write (an
-// attachment's ReadOnly already counts its mode, as ControllerPublishVolume
-// records it).
-func writers(vol *backend.Volume) []string {
-	var out []string
-	for _, a := range vol.Attachments {
-		if !a.ReadOnly {
-			out = append(out, a.Node.Name)
-		}
-	}
-	return out
-}
-
 func (s *groupControllerServer) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateVolumeGroupSnapshotRequest) (*csi.CreateVolumeGroupSnapshotResponse, error) {
 	if req.GetName() == "" {
 		return nil, status.Error(codes.InvalidArgument, "name is required")
@@ -244,37 +234,16 @@ func (s *groupControllerServer) CreateVolumeGroupSnapshot(ctx context.Context, r
 		}
 	}
 
-	var writing []string
+	want := make([]backend.GroupMember, 0, len(sources))
 	for _, src := range sources {
-		vol, err := ctrl.Volume(ctx, src)
-		if err != nil {
-			return nil, err
-		}
-		if w := writers(vol); len(w) > 0 {
-			writing = append(writing, fmt.Sprintf("%s (read/write on %s)", src, strings.Join(w, ", ")))
-		}
+		want = append(want, backend.GroupMember{ID: s.d.memberID(group, src), Name: memberName(group, len(sources), src), Source: src})
 	}
-	if len(writing) > 1 {
-		return nil, status.Errorf(codes.FailedPrecondition,
-			"%d volumes of the group are attached read/write: %s; their snapshots would be taken one after the other while both are written, not at one point in time. Detach all but one of them (stop their writers) and retry",
-			len(writing), strings.Join(writing, "; "))
-	}
-
-	members := make([]*backend.Snapshot, 0, len(sources))
-	for _, src := range sources {
-		id := s.d.memberID(group, src)
-		snap, err := ctrl.CreateSnapshot(ctx, id, memberName(group, len(sources), src), src)
-		if err != nil {
-			// No group id reaches the CO: the members made so far would
-			// leak, so they go (the spec asks it).
-			for _, m := range members {
-				if derr := ctrl.DeleteSnapshot(context.WithoutCancel(ctx), mustParse(m.ID)); derr != nil {
-					klog.ErrorS(derr, "Removing a member of a group snapshot that failed", "groupSnapshotID", group, "snapshotID", m.ID)
-				}
-			}
-			return nil, status.Errorf(status.Code(err), "snapshot of %s for group %s: %v", src, group, status.Convert(err).Message())
-		}
-		members = append(members, snap)
+	// The backend takes them all at one instant, or one after the other
+	// where at most one is being written; on error none is left, since no
+	// group id reaches the CO (the spec asks it).
+	members, err := ctrl.CreateSnapshotGroup(ctx, want)
+	if err != nil {
+		return nil, status.Errorf(status.Code(err), "group snapshot %s: %v", group, status.Convert(err).Message())
 	}
 	out := csiGroup(group, members, len(sources))
 	klog.InfoS("Group snapshot created", "groupSnapshotID", group, "name", req.GetName(), "members", len(members), "readyToUse", out.GetReadyToUse())

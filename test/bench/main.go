@@ -65,6 +65,7 @@ var measurements = []struct {
 	{"lifecycle", lifecycle},
 	{"target", throughTarget},
 	{"concurrency", concurrency},
+	{"snapshots", snapshotsInUse},
 	{"percall", perCall},
 	{"controller", controllerScale},
 	{"node", nodeScale},

@@ -95,6 +95,12 @@ func (c *Controller) load(p *pool) error {
 	if err := p.mark(); err != nil {
 		return fmt.Errorf("block pool %q: %w", p.zone, err)
 	}
+	if err := p.layOutOnBtrfs(); err != nil {
+		return fmt.Errorf("block pool %q: %w", p.zone, err)
+	}
+	if err := p.dropGroupCaptures(); err != nil {
+		return fmt.Errorf("block pool %q: %w", p.zone, err)
+	}
 	if err := c.templates.loadTemplates(p); err != nil {
 		return fmt.Errorf("block pool %q: %w", p.zone, err)
 	}
@@ -798,6 +804,14 @@ func poolHealth(poolDir, imagePath string, capacity int64) backend.Health {
 // and Snapshot and ListSnapshots, answer the same until the copy is done;
 // a retry never starts the copy again. DeleteSnapshot cancels it.
 func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name string, source volumeid.ID) (*backend.Snapshot, error) {
+	return c.createSnapshot(ctx, id, name, source, "")
+}
+
+// createSnapshot takes a snapshot of source's image, or, when captured is
+// set, of that image: a copy of source's as of an instant already past
+// (a group's capture), which nobody writes, so it is cloned without asking
+// who writes the source.
+func (c *Controller) createSnapshot(ctx context.Context, id volumeid.ID, name string, source volumeid.ID, captured string) (*backend.Snapshot, error) {
 	p, err := c.poolFor(id, volumeid.Snapshot)
 	if err != nil {
 		return nil, err
@@ -831,6 +845,9 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 		unlock()
 		return nil, status.Error(codes.Internal, err.Error())
 	}
+	if captured != "" {
+		sourceImage = captured
+	}
 	// Without reflink the copy takes as much as the source occupies.
 	need, err := allocatedBytes(sourceImage)
 	if err != nil {
@@ -844,8 +861,13 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 	}
 	m.hold(unlock)
 	defer m.abandon()
-	cloned, err := c.cloneOrVet(vol, sourceImage, m.tmp)
-	if err != nil {
+	var cloned bool
+	if captured != "" {
+		if err := cloneImage(sourceImage, m.tmp); err != nil {
+			return nil, status.Errorf(codes.Internal, "cloning the captured image of %s: %v", source, err)
+		}
+		cloned = true
+	} else if cloned, err = c.cloneOrVet(vol, sourceImage, m.tmp); err != nil {
 		return nil, err
 	}
 	snap := &backend.Snapshot{ID: id.String(), Name: name, SourceVolumeID: source.String(), SizeBytes: vol.CapacityBytes,

@@ -58,6 +58,14 @@
 //     to a loop device on the controller's machine (the kernel's word), is
 //     refused with FAILED_PRECONDITION saying so; once detached it copies.
 //
+// A group snapshot (CreateSnapshotGroup) needs every member as of one
+// instant, not each as of its own. A new pool on btrfs keeps its images in
+// a subvolume of their own (DIR/volumes), so one read-only snapshot of it
+// captures them all at the commit of one transaction, and each member is
+// a reflink of its image there (group.go, btrfs.go). Elsewhere members are
+// taken one after the other, and a group of more than one volume being
+// written is refused.
+//
 // Freezing the filesystem on the node that mounts it (FIFREEZE) was the
 // other way to make a byte copy a point in time. It was not chosen: CSI
 // gives the controller no call to reach that node, a copy may outlast the

@@ -89,6 +89,7 @@ type metadataPool struct {
 
 var metadataPools = []metadataPool{
 	{"xfs with reflinks", func(t *testing.T) string { return testenv.ReflinkXFS(t, 400*mib) }, true},
+	{"btrfs", func(t *testing.T) string { return testenv.LoopFilesystem(t, 400*mib, "btrfs", "-q") }, true},
 	{"ext4", func(t *testing.T) string { return testenv.LoopFilesystem(t, 128*mib, "ext4", "-q", "-F") }, false},
 	{"tmpfs", func(t *testing.T) string { return testenv.Tmpfs(t, "128m") }, false},
 }

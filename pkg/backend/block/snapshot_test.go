@@ -129,6 +129,15 @@ func TestSnapshotOfAVolumeInUse(t *testing.T) {
 			f := openFixture(t, root, map[string]string{"zone-a": pool})
 			snapshotsWhileWriting(t, f, kind, true)
 		})
+		t.Run(kind+"/btrfs pool", func(t *testing.T) {
+			root := testRoot(t)
+			pool := filepath.Join(testenv.LoopFilesystem(t, 2<<30, "btrfs", "-q"), "pool")
+			if err := os.Mkdir(pool, 0o700); err != nil {
+				t.Fatal(err)
+			}
+			f := openFixture(t, root, map[string]string{"zone-a": pool})
+			snapshotsWhileWriting(t, f, kind, true)
+		})
 		t.Run(kind+"/plain pool", func(t *testing.T) {
 			f := newFixture(t, "zone-a")
 			snapshotsWhileWriting(t, f, kind, false)

@@ -309,6 +309,15 @@ func (c *Controller) Creating(ctx context.Context, id volumeid.ID) (bool, error)
 	return false, nil
 }
 
+// CreateSnapshotGroup takes the members one after the other, as the
+// backends it stands for do on pools that cannot take a group at once.
+func (c *Controller) CreateSnapshotGroup(ctx context.Context, members []backend.GroupMember) ([]*backend.Snapshot, error) {
+	if err := c.enter(ctx, "CreateSnapshotGroup"); err != nil {
+		return nil, err
+	}
+	return backend.SnapshotOneAtATime(ctx, c, members)
+}
+
 // SnapshotBlocks is unimplemented: this backend keeps no data, so its
 // snapshots have no blocks to describe.
 func (c *Controller) SnapshotBlocks(ctx context.Context, req backend.BlockRangesRequest) (*backend.BlockRanges, error) {

@@ -237,6 +237,11 @@ func (c *Controller) NodeExpansionRequired(*backend.Volume) bool { return false 
 // CreateVolume that makes it.
 func (c *Controller) Creating(context.Context, volumeid.ID) (bool, error) { return false, nil }
 
+// CreateSnapshotGroup takes the members one after the other.
+func (c *Controller) CreateSnapshotGroup(ctx context.Context, members []backend.GroupMember) ([]*backend.Snapshot, error) {
+	return backend.SnapshotOneAtATime(ctx, c, members)
+}
+
 // SnapshotBlocks refuses: an NFS volume is a directory tree, not a device,
 // so its snapshots have files, not blocks.
 func (c *Controller) SnapshotBlocks(_ context.Context, req backend.BlockRangesRequest) (*backend.BlockRanges, error) {

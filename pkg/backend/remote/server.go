@@ -108,6 +108,17 @@ func handler(c backend.Controller, now func() time.Time) http.Handler {
 	handle(mux, "CreateSnapshot", func(ctx context.Context, r snapshotRequest) (*wireSnapshot, error) {
 		return toWireSnapshot(c.CreateSnapshot(ctx, r.ID, r.Name, r.Source))
 	})
+	handle(mux, "CreateSnapshotGroup", func(ctx context.Context, members []backend.GroupMember) ([]*wireSnapshot, error) {
+		list, err := c.CreateSnapshotGroup(ctx, members)
+		if err != nil {
+			return nil, err
+		}
+		out := make([]*wireSnapshot, len(list))
+		for i, s := range list {
+			out[i], _ = toWireSnapshot(s, nil)
+		}
+		return out, nil
+	})
 	handle(mux, "Snapshot", func(ctx context.Context, r idRequest) (*wireSnapshot, error) {
 		return toWireSnapshot(c.Snapshot(ctx, r.ID))
 	})

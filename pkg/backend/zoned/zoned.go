@@ -225,6 +225,25 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 	return p.CreateSnapshot(ctx, id, name, source)
 }
 
+// CreateSnapshotGroup goes to the members' zone: a group is of one zone,
+// whose storage alone can take its volumes at one instant.
+func (c *Controller) CreateSnapshotGroup(ctx context.Context, members []backend.GroupMember) ([]*backend.Snapshot, error) {
+	if len(members) == 0 {
+		return nil, nil
+	}
+	zone := members[0].Source.Zone
+	for _, m := range members {
+		if m.ID.Zone != zone || m.Source.Zone != zone {
+			return nil, status.Errorf(codes.InvalidArgument, "a group snapshot is of one zone: member %s of %s is not in zone %s", m.ID, m.Source, zone)
+		}
+	}
+	p, err := c.part(zone)
+	if err != nil {
+		return nil, err
+	}
+	return p.CreateSnapshotGroup(ctx, members)
+}
+
 func (c *Controller) Snapshot(ctx context.Context, id volumeid.ID) (*backend.Snapshot, error) {
 	p, err := c.part(id.Zone)
 	if err != nil {
