@@ -199,6 +199,7 @@ test-leftovers:
 test-vm:
 	bash test/vm/projquota.sh
 	VM_TEST_PKG=pkg/backend/nfs/imagestore bash test/vm/projquota.sh -test.run 'TestExt4Images|TestGrowOnline|TestGrowAndUsageMountWhatRestoreLeftOut'
+	VM_TEST_PKG=pkg/backend/nfs bash test/vm/projquota.sh -test.run 'TestSnapshotOfAVolumeInUseIsOfOneInstant|TestCopyOverThePauseBudget|TestNoPausedCopyWithoutReflinksOrPause'
 
 # The NFS restart, fence and churn tests of test/integration with the quota
 # storage, in that VM (the gate runs them here with the image storage):

@@ -215,6 +215,9 @@ func flagSet(o *options) *flag.FlagSet {
 		"controller: D-Bus address of a ganesha run by someone else (e.g. unix:path=/run/ganesha/bus.sock); the driver then starts none")
 	fs.StringVar(&o.nfs.ExportConfigDir, "nfs-export-config-dir", "",
 		"controller: where export files go; required with --nfs-ganesha-dbus (that ganesha must include it with %dir), default <nfs-ganesha-dir>/exports")
+	fs.DurationVar(&o.nfs.PauseBudget, "nfs-pause-budget", nfs.DefaultPauseBudget,
+		"controller: the longest the driver's own ganesha is held still (every NFS client's calls waiting) to snapshot or clone a volume attached read-write on the quota storage; "+
+			"a copy that takes longer is abandoned (UNAVAILABLE); must stay below the NFSv4 lease (20s)")
 	fs.StringVar(&o.fenceFile, "fence-file", "",
 		"controller: the file it keeps its network fences in (csi-addons NetworkFence), an absolute path on storage that outlives the controller; its directory is locked like the pools; off when empty: the NetworkFence calls are refused")
 	fs.StringVar(&o.metricsAddr, "metrics-address", "",
@@ -299,6 +302,7 @@ func run(o *options) error {
 	if o.metricsAddr != "" {
 		cfg.Metrics = metrics.New(version, rolesOf(roles))
 		o.nfs.ControlFailed = cfg.Metrics.NFSControlFailed
+		o.nfs.Paused = cfg.Metrics.NFSPaused
 	}
 	if slices.Contains(roles, driver.RoleNode) {
 		cfg.Nodes[accessmode.BackendNFS] = nfs.NewNode(nil, nil)

@@ -83,7 +83,38 @@ func TestNilMetricsCountNothing(t *testing.T) {
 	var m *Metrics
 	m.PublishRefused(StageAttach, accessmode.SingleNodeWriter, accessmode.ReasonHeldByOtherNode)
 	m.NFSControlFailed("ApplyExport")
+	m.NFSPaused(time.Millisecond, "copied")
 	m.ObserveRequest("NodeGetInfo", codes.OK, time.Millisecond)
+}
+
+func TestNFSPausesAreTimedByOutcome(t *testing.T) {
+	m := New("test", []string{"controller"})
+	m.NFSPaused(30*time.Millisecond, "copied")
+	m.NFSPaused(40*time.Millisecond, "copied")
+	m.NFSPaused(5*time.Second, "over_budget")
+	families, err := m.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string][2]float64{} // outcome: count, sum
+	for _, f := range families {
+		if f.GetName() != "modeguard_nfs_pause_seconds" {
+			continue
+		}
+		for _, s := range f.GetMetric() {
+			got[s.GetLabel()[0].GetValue()] = [2]float64{float64(s.GetHistogram().GetSampleCount()), s.GetHistogram().GetSampleSum()}
+		}
+	}
+	want := map[string][2]float64{"copied": {2, 0.07}, "over_budget": {1, 5}}
+	for outcome, w := range want {
+		g := got[outcome]
+		if g[0] != w[0] || g[1] < w[1]-1e-9 || g[1] > w[1]+1e-9 {
+			t.Errorf("pauses %s: count %v sum %v, want %v %v", outcome, g[0], g[1], w[0], w[1])
+		}
+	}
+	if len(got) != len(want) {
+		t.Errorf("pause series %v, want one per outcome seen", got)
+	}
 }
 
 func TestPublishRefusedSeriesExistBeforeTheFirstRefusal(t *testing.T) {

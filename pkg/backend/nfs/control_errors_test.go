@@ -47,7 +47,8 @@ func (d dirStorage) Release() error                                             
 func (d dirStorage) CopiesAtOnePoint() bool                                      { return true }
 
 // walkingStorage copies as the quota storage does: file by file, not as of
-// one instant.
+// one instant; unlike it, it cannot copy while the server is held still
+// (it is no PausedCopier).
 type walkingStorage struct{ dirStorage }
 
 func (walkingStorage) CopiesAtOnePoint() bool { return false }

@@ -13,6 +13,21 @@
 // clones are reflink copies, and a restart re-attaches one filesystem rather
 // than one loop device per volume.
 //
+// # Copies of volumes in use
+//
+// The quota storage copies a volume by walking its tree, one reflink per
+// file, which by itself is no copy of one instant. So a snapshot or clone
+// of a volume attached read-write holds the driver's own ganesha still
+// (SIGSTOP, every thread stopped, see ganesha.Server.Pause) for the walk:
+// every write ganesha acknowledged is then in the source, nothing changes
+// it while it is walked, and clients only see their calls wait. The stall
+// is bounded by Config.PauseBudget, far below the NFSv4 lease; a walk that
+// does not end within it is abandoned, ganesha resumed and the partial copy
+// removed (UNAVAILABLE). Where ganesha cannot be held (one the driver does
+// not run) or the pool has no reflinks (the walk would copy bytes), such a
+// copy is refused (FAILED_PRECONDITION). The image storage freezes the
+// volume's own filesystem instead and needs no pause.
+//
 // # Layout of the export root
 //
 //	ROOT/volumes/<file name>/          a volume's data: what ganesha exports
@@ -101,7 +116,37 @@ type Config struct {
 	// it refused (its log, where it logs why); the refusal over D-Bus
 	// only says the export block was invalid.
 	WhyRefused func(path string) string
+	// Pause, when set, holds the NFS server still, every client's calls
+	// waiting, until resume is called or maxStall has passed, whichever
+	// comes first; resume reports an error when maxStall came first
+	// (ganesha.Server.Pause). With it, a storage that is a PausedCopier
+	// snapshots and clones a volume attached read-write at one instant by
+	// copying it while the server is held; without it such copies are
+	// refused (FAILED_PRECONDITION), as they are with any other storage
+	// that does not copy at one point.
+	Pause func(ctx context.Context, maxStall time.Duration) (resume func() error, err error)
+	// PauseBudget bounds each pause, and so the stall clients see:
+	// DefaultPauseBudget when zero. A copy that does not end within it is
+	// abandoned (UNAVAILABLE).
+	PauseBudget time.Duration
+	// Paused, when set, is told how long each pause held the server and
+	// how it ended: PauseCopied, PauseOverBudget or PauseFailed.
+	Paused func(took time.Duration, outcome string)
 }
+
+// DefaultPauseBudget is how long the server may be held still for one copy
+// of a volume in use by default: far below the NFSv4 lease the driver's
+// ganesha grants (ganesha.DefaultLeaseLifetime, 20 s), so no client loses
+// its lease over it, and long enough for the reflink copy of a volume of
+// tens of thousands of files.
+const DefaultPauseBudget = 5 * time.Second
+
+// How a pause ended, as Config.Paused names it.
+const (
+	PauseCopied     = "copied"
+	PauseOverBudget = "over_budget"
+	PauseFailed     = "failed"
+)
 
 // The operations of Exporter, as ControlFailed names them.
 const (
@@ -182,6 +227,12 @@ func NewController(ctx context.Context, cfg Config) (*Controller, error) {
 	}
 	if cfg.Port == 0 {
 		cfg.Port = 2049
+	}
+	if cfg.PauseBudget < 0 {
+		return nil, fmt.Errorf("nfs: pause budget %v is negative", cfg.PauseBudget)
+	}
+	if cfg.PauseBudget == 0 {
+		cfg.PauseBudget = DefaultPauseBudget
 	}
 	c := &Controller{cfg: cfg, volumes: map[string]*volumeRecord{}, snapshots: map[string]*snapshotRecord{},
 		exportIDs: map[uint16]string{}, projects: map[uint32]string{}, removals: map[string]*removal{},
@@ -811,51 +862,167 @@ func (c *Controller) promise(bytes int64) error {
 // MinimumSize is the smallest volume the storage can make.
 func (c *Controller) MinimumSize() int64 { return c.cfg.Storage.MinSize() }
 
-// sourceTree finds the directory a new volume is copied from.
-func (c *Controller) sourceTree(src *backend.Source) (string, error) {
+// sourceTree finds the directory a new volume is copied from, and whether
+// it is a volume in use, to be copied while the server is held still.
+func (c *Controller) sourceTree(src *backend.Source) (rel string, inUse bool, err error) {
 	if src == nil {
-		return "", nil
+		return "", false, nil
 	}
 	if src.SnapshotID != "" {
 		id, err := volumeid.ParseKind(src.SnapshotID, volumeid.Snapshot)
 		if err != nil || id.Backend != accessmode.BackendNFS {
-			return "", status.Errorf(codes.InvalidArgument, "snapshot %q is not an NFS snapshot; an NFS volume can only be restored from one", src.SnapshotID)
+			return "", false, status.Errorf(codes.InvalidArgument, "snapshot %q is not an NFS snapshot; an NFS volume can only be restored from one", src.SnapshotID)
 		}
 		c.mu.Lock()
 		_, ok := c.snapshots[id.String()]
 		c.mu.Unlock()
 		if !ok {
-			return "", status.Errorf(codes.NotFound, "snapshot %s does not exist", src.SnapshotID)
+			return "", false, status.Errorf(codes.NotFound, "snapshot %s does not exist", src.SnapshotID)
 		}
-		return c.snapshotRel(id), nil
+		return c.snapshotRel(id), false, nil
 	}
 	id, err := volumeid.ParseKind(src.VolumeID, volumeid.Volume)
 	if err != nil || id.Backend != accessmode.BackendNFS {
-		return "", status.Errorf(codes.InvalidArgument, "volume %q is not an NFS volume; an NFS volume can only be cloned from one", src.VolumeID)
+		return "", false, status.Errorf(codes.InvalidArgument, "volume %q is not an NFS volume; an NFS volume can only be cloned from one", src.VolumeID)
 	}
 	rec, err := c.record(id)
 	if err != nil {
-		return "", err
+		return "", false, err
 	}
-	if err := c.copyable(&rec.Volume); err != nil {
-		return "", err
+	inUse, err = c.copyable(&rec.Volume)
+	if err != nil {
+		return "", false, err
 	}
-	return c.volumeRel(id), nil
+	return c.volumeRel(id), inUse, nil
 }
 
-// copyable refuses to copy a volume that a node may be writing when the
-// storage cannot copy it as of one instant: a copy of a tree that changes
-// under it could hold half of what an application wrote and acknowledged.
-func (c *Controller) copyable(vol *backend.Volume) error {
+// copyable says whether a volume must be copied while the NFS server is
+// held still (inUse): a node may be writing it and the storage does not
+// copy at one instant by itself. It refuses the copy when that is needed
+// and cannot be done: a copy of a tree that changes under it could hold
+// half of what an application wrote and acknowledged.
+func (c *Controller) copyable(vol *backend.Volume) (inUse bool, err error) {
 	if c.cfg.Storage.CopiesAtOnePoint() {
-		return nil
+		return false, nil
 	}
+	var writer string
 	for _, a := range vol.Attachments {
 		if !a.ReadOnly {
-			return status.Errorf(codes.FailedPrecondition,
-				"volume %s is attached read-write to node %s, and this server's quota storage copies a volume file by file, not as of one instant; "+
-					"copy it once no node has it attached for writing", vol.ID, a.Node.Name)
+			writer = a.Node.Name
+			break
 		}
+	}
+	if writer == "" {
+		return false, nil
+	}
+	pc, ok := c.cfg.Storage.(PausedCopier)
+	var why string
+	switch {
+	case !ok:
+		why = "this server's storage copies a volume file by file, not as of one instant"
+	case c.cfg.Pause == nil:
+		why = "this server's quota storage copies a volume file by file, and the NFS server is not the driver's own ganesha " +
+			"(--nfs-ganesha-dbus), which it could hold still for the copy"
+	default:
+		if err := pc.PausedCopyable(); err != nil {
+			why = err.Error()
+		}
+	}
+	if why != "" {
+		return false, status.Errorf(codes.FailedPrecondition,
+			"volume %s is attached read-write to node %s, and %s; copy it once no node has it attached for writing", vol.ID, writer, why)
+	}
+	return true, nil
+}
+
+// copyTree copies srcRel to dstRel; a volume in use (inUse) is copied while
+// the NFS server is held still (Config.Pause), so the copy holds every
+// write the server acknowledged before, and is the tree of one instant.
+func (c *Controller) copyTree(ctx context.Context, srcRel, dstRel string, project uint32, limit int64, inUse bool) error {
+	if !inUse {
+		return c.cfg.Storage.Copy(ctx, srcRel, dstRel, project, limit)
+	}
+	pc := c.cfg.Storage.(PausedCopier) // copyable checked
+	return pc.CopyPaused(ctx, srcRel, dstRel, project, limit, func(ctx context.Context, read func(context.Context) error) error {
+		return c.whilePaused(ctx, srcRel, read)
+	})
+}
+
+// errOverBudget is a copy that did not end within the pause budget.
+type errOverBudget struct {
+	rel    string
+	budget time.Duration
+}
+
+func (e *errOverBudget) Error() string {
+	return fmt.Sprintf("the copy of %s did not end within %v, the longest the NFS server may be held still for it", e.rel, e.budget)
+}
+
+// errNoPause is a pause of the NFS server that could not be had.
+type errNoPause struct{ err error }
+
+func (e *errNoPause) Error() string { return "holding the NFS server still: " + e.err.Error() }
+
+// whilePaused runs read while the NFS server is held still, for at most
+// the pause budget: read's context ends with the budget, which kills the
+// copy, and the pause's own timer resumes the server at the budget even if
+// read does not return.
+func (c *Controller) whilePaused(ctx context.Context, rel string, read func(context.Context) error) error {
+	budget := c.cfg.PauseBudget
+	began := time.Now()
+	resume, err := c.cfg.Pause(ctx, budget)
+	if err != nil {
+		c.paused(time.Since(began), PauseFailed)
+		return &errNoPause{err: err}
+	}
+	rctx, cancel := context.WithDeadline(ctx, began.Add(budget))
+	err = read(rctx)
+	over := rctx.Err() == context.DeadlineExceeded && ctx.Err() == nil
+	cancel()
+	rerr := resume()
+	took := time.Since(began)
+	if rerr != nil || over {
+		c.paused(took, PauseOverBudget)
+		klog.InfoS("Copy of a volume in use abandoned: it did not end while the NFS server could be held still",
+			"source", rel, "budget", budget, "held", took, "copyError", err, "resumeError", rerr)
+		return &errOverBudget{rel: rel, budget: budget}
+	}
+	if err != nil {
+		c.paused(took, PauseFailed)
+		return err
+	}
+	c.paused(took, PauseCopied)
+	klog.V(2).InfoS("Copied a volume in use while the NFS server was held still", "source", rel, "held", took)
+	return nil
+}
+
+func (c *Controller) paused(took time.Duration, outcome string) {
+	if c.cfg.Paused != nil {
+		c.cfg.Paused(took, outcome)
+	}
+}
+
+// copyError is the gRPC error of a copy of source that failed for want
+// of a pause or within its budget, nil for any other failure.
+func (c *Controller) copyError(source string, err error) error {
+	var over *errOverBudget
+	if errors.As(err, &over) {
+		// UNAVAILABLE, not ABORTED: CSI keeps ABORTED for another call on
+		// the same snapshot being under way, and the copy may well fit on
+		// a retry once the machine is less busy; when the volume simply
+		// has too many files, the message says what to change.
+		return status.Errorf(codes.Unavailable,
+			"%s is attached read-write, so it is copied while the NFS server is held still, which may last %v (--nfs-pause-budget), "+
+				"and its copy did not end within that: the volume has too many files to copy while its writers wait. "+
+				"Nothing was kept. Retry when the server is less busy, raise --nfs-pause-budget (clients stall that long; keep it well below "+
+				"the NFSv4 lease of %v), or copy it once no node has it attached for writing",
+			source, over.budget, ganesha.DefaultLeaseLifetime)
+	}
+	var noPause *errNoPause
+	if errors.As(err, &noPause) {
+		return status.Errorf(codes.Unavailable,
+			"%s is attached read-write, so it is copied while the NFS server is held still, and the server could not be held: %v; nothing was kept",
+			source, noPause.err)
 	}
 	return nil
 }
@@ -873,7 +1040,7 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 	if exists {
 		return nil, status.Errorf(codes.AlreadyExists, "volume %s already exists", spec.ID)
 	}
-	srcRel, err := c.sourceTree(spec.Source)
+	srcRel, inUse, err := c.sourceTree(spec.Source)
 	if err != nil {
 		return nil, err
 	}
@@ -883,13 +1050,16 @@ func (c *Controller) CreateVolume(ctx context.Context, spec backend.VolumeSpec) 
 	}
 	rel := c.volumeRel(spec.ID)
 	if srcRel != "" {
-		err = c.cfg.Storage.Copy(ctx, srcRel, rel, project, spec.CapacityBytes)
+		err = c.copyTree(ctx, srcRel, rel, project, spec.CapacityBytes, inUse)
 		c.settle(ctx, srcRel)
 	} else {
 		err = c.cfg.Storage.Create(ctx, rel, project, spec.CapacityBytes)
 	}
 	if err != nil {
 		c.release(exportID, project, spec.CapacityBytes)
+		if cerr := c.copyError(spec.Source.VolumeID, err); cerr != nil {
+			return nil, cerr
+		}
 		return nil, status.Errorf(codes.Internal, "creating the storage of %s: %v", spec.ID, err)
 	}
 	fpCreateStorageMade.Hit()
@@ -1238,17 +1408,21 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 	if err != nil {
 		return nil, err
 	}
-	if err := c.copyable(&src.Volume); err != nil {
+	inUse, err := c.copyable(&src.Volume)
+	if err != nil {
 		return nil, err
 	}
 	_, project, err := c.reserve(ctx, id.String(), false, src.Volume.CapacityBytes)
 	if err != nil {
 		return nil, err
 	}
-	err = c.cfg.Storage.Copy(ctx, c.volumeRel(source), c.snapshotRel(id), project, src.Volume.CapacityBytes)
+	err = c.copyTree(ctx, c.volumeRel(source), c.snapshotRel(id), project, src.Volume.CapacityBytes, inUse)
 	c.settle(ctx, c.volumeRel(source))
 	if err != nil {
 		c.release(0, project, src.Volume.CapacityBytes)
+		if cerr := c.copyError(source.String(), err); cerr != nil {
+			return nil, cerr
+		}
 		return nil, status.Errorf(codes.Internal, "copying %s: %v", source, err)
 	}
 	c.settle(ctx, c.snapshotRel(id)) // never exported

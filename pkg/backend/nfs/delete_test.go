@@ -5,7 +5,9 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -141,18 +143,33 @@ func projectOf(t *testing.T, root string, id volumeid.ID) uint32 {
 }
 
 // TestNoCopyOfATreeBeingWritten_RecordingGanesha: where the storage copies
-// a volume file by file (the quota storage), a volume attached read-write
-// is neither snapshotted nor cloned (FAILED_PRECONDITION): the copy could
+// a volume file by file and the server cannot be held still for the copy
+// (a ganesha the driver does not run: no Config.Pause; or a storage that
+// cannot copy while it is held), a volume attached read-write is neither
+// snapshotted nor cloned (FAILED_PRECONDITION, saying why): the copy could
 // hold half of what was written and acknowledged. Attached read-only, or
-// detached, it copies. (The directory storage stands in for the quota
-// storage, which needs a kernel with xfs quota support; ganesha's bus is
-// the recording stand-in.)
+// detached, it copies. (A directory storage that copies file by file
+// stands in for the quota storage, which needs a kernel with xfs quota
+// support; TestSnapshotOfAVolumeInUseIsOfOneInstant has the quota storage
+// with a pause. ganesha's bus is the recording stand-in.)
 func TestNoCopyOfATreeBeingWritten_RecordingGanesha(t *testing.T) {
 	ctx := context.Background()
-	ctrl, err := nfs.NewController(ctx, nfs.Config{Storage: walkingStorage{dirStorage{t.TempDir()}}, ExportDir: t.TempDir(), Server: "10.0.0.1"})
+	paused := 0
+	// Set, but of no use to a storage that cannot copy while it holds.
+	pause := func(context.Context, time.Duration) (func() error, error) {
+		paused++
+		return func() error { return nil }, nil
+	}
+	ctrl, err := nfs.NewController(ctx, nfs.Config{Storage: walkingStorage{dirStorage{t.TempDir()}}, ExportDir: t.TempDir(), Server: "10.0.0.1",
+		Pause: pause})
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer func() {
+		if paused != 0 {
+			t.Errorf("the server was paused %d times for a storage that cannot use it", paused)
+		}
+	}()
 	if err := ctrl.Start(ctx, &recordingGanesha{applied: map[uint16]string{}}); err != nil {
 		t.Fatal(err)
 	}
@@ -176,8 +193,8 @@ func TestNoCopyOfATreeBeingWritten_RecordingGanesha(t *testing.T) {
 	clone := spec
 	clone.ID, clone.Name, clone.Source = newID(volumeid.Volume, "clone"), "clone", &backend.Source{VolumeID: src.String()}
 	_, err = ctrl.CreateSnapshot(ctx, newID(volumeid.Snapshot, "s1"), "s1", src)
-	if status.Code(err) != codes.FailedPrecondition {
-		t.Fatalf("snapshot of a volume attached read-write: %v, want FAILED_PRECONDITION", err)
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "file by file") {
+		t.Fatalf("snapshot of a volume attached read-write: %v, want FAILED_PRECONDITION saying why", err)
 	}
 	if _, err := ctrl.CreateVolume(ctx, clone); status.Code(err) != codes.FailedPrecondition {
 		t.Fatalf("clone of a volume attached read-write: %v, want FAILED_PRECONDITION", err)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"time"
 
 	"k8s.io/klog/v2"
 
@@ -43,6 +44,12 @@ type Options struct {
 	// ControlFailed, when set, is told each operation on ganesha that
 	// fails (see Config).
 	ControlFailed func(operation string)
+	// PauseBudget bounds how long the driver's own ganesha is held still
+	// for the copy of a volume in use (Config.PauseBudget); it must be
+	// shorter than ganesha's NFSv4 lease.
+	PauseBudget time.Duration
+	// Paused, when set, is told each pause (see Config).
+	Paused func(took time.Duration, outcome string)
 }
 
 // Setup prepares the pool, starts or reaches ganesha, and returns the
@@ -50,6 +57,12 @@ type Options struct {
 func Setup(ctx context.Context, o Options) (*Controller, func(), error) {
 	if o.ExportRoot == "" || o.Server == "" {
 		return nil, nil, errors.New("nfs: --nfs-export-root and --nfs-server are both required")
+	}
+	// A client that hears nothing from the server for a lease may take it
+	// for a restart and reclaim its state; a pause must end well before.
+	if o.PauseBudget < 0 || o.PauseBudget >= ganesha.DefaultLeaseLifetime {
+		return nil, nil, fmt.Errorf("nfs: --nfs-pause-budget=%v: want less than the NFSv4 lease ganesha grants, %v (0 for the default)",
+			o.PauseBudget, ganesha.DefaultLeaseLifetime)
 	}
 	var stops []func()
 	stop := func() {
@@ -77,6 +90,7 @@ func Setup(ctx context.Context, o Options) (*Controller, func(), error) {
 	// Everything ganesha reads at start is put right before it starts.
 	c, err := NewController(ctx, Config{
 		Storage: storage, ExportDir: exportDir, Server: o.Server, Port: o.Port, ControlFailed: o.ControlFailed,
+		PauseBudget: o.PauseBudget, Paused: o.Paused,
 	})
 	if err != nil {
 		stop()
@@ -108,6 +122,10 @@ func Setup(ctx context.Context, o Options) (*Controller, func(), error) {
 		})
 		exporter = srv.Control()
 		c.cfg.WhyRefused = srv.LogAbout
+		// Only a ganesha of the driver's own can be held still; another's
+		// (--nfs-ganesha-dbus) cannot, and copies of volumes in use are
+		// then refused.
+		c.cfg.Pause = srv.Pause
 	}
 	if err := c.Start(ctx, exporter); err != nil {
 		stop()

@@ -2,6 +2,7 @@ package nfs
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 
@@ -54,6 +55,21 @@ type Storage interface {
 	Release() error
 }
 
+// A PausedCopier is a Storage that copies a volume as of one instant
+// when nothing writes to it while the copy reads it, fast enough that the
+// NFS server, every client's writes included, can be held still meanwhile
+// (Config.Pause).
+type PausedCopier interface {
+	// PausedCopyable says why CopyPaused cannot be used (nil when it can).
+	PausedCopyable() error
+	// CopyPaused is Copy with during run around the step that reads the
+	// source: during calls read once, under the context read is to run
+	// under, and holds the writers still for it. An error of during's is
+	// returned wrapped, the partial copy removed.
+	CopyPaused(ctx context.Context, srcRel, dstRel string, project uint32, limit int64,
+		during func(ctx context.Context, read func(context.Context) error) error) error
+}
+
 // quotaStorage adapts a project-quota pool.
 type quotaStorage struct {
 	pool    *projquota.Pool
@@ -79,7 +95,28 @@ func (q *quotaStorage) Copy(ctx context.Context, srcRel, dstRel string, project 
 
 // CopiesAtOnePoint is false: the copy walks the tree file by file (each a
 // reflink), so files written meanwhile may be copied before or after.
+// CopyPaused is how a volume in use is copied at one instant.
 func (q *quotaStorage) CopiesAtOnePoint() bool { return false }
+
+// PausedCopyable is nil when the pool clones files: the walk then takes
+// time for each file, not for each byte, and the NFS server can be held
+// still for it.
+func (q *quotaStorage) PausedCopyable() error {
+	ok, err := q.pool.Reflinks()
+	if err != nil {
+		return err
+	}
+	if !ok {
+		return errors.New("this server's quota pool was made without reflinks (xfs reflink=0), so a copy of a volume copies its bytes, " +
+			"which is too slow to hold the NFS server still for")
+	}
+	return nil
+}
+
+func (q *quotaStorage) CopyPaused(ctx context.Context, srcRel, dstRel string, project uint32, limit int64,
+	during func(ctx context.Context, read func(context.Context) error) error) error {
+	return q.pool.CopyTreeAround(ctx, srcRel, dstRel, project, limit, during)
+}
 func (q *quotaStorage) Remove(ctx context.Context, rel string, project uint32) error {
 	return q.pool.RemoveDir(ctx, rel, project)
 }

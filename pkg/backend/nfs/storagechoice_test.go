@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestChooseStorage(t *testing.T) {
@@ -78,5 +79,21 @@ func TestStorageChoiceIsRecorded(t *testing.T) {
 	}
 	if rec, err := recordedStorage(root); err != nil || rec != "images" {
 		t.Fatalf("storage of an unrecorded images root: %q, %v", rec, err)
+	}
+}
+
+// TestSetupRefusesAPauseBudgetPastTheLease: a client that hears nothing
+// for a lease may take the server for restarted, so a budget that long is
+// refused before anything is prepared or started.
+func TestSetupRefusesAPauseBudgetPastTheLease(t *testing.T) {
+	root := t.TempDir()
+	for _, budget := range []time.Duration{-time.Second, 20 * time.Second, time.Minute} {
+		_, _, err := Setup(context.Background(), Options{ExportRoot: root, Server: "10.0.0.1", PauseBudget: budget})
+		if err == nil || !strings.Contains(err.Error(), "--nfs-pause-budget") || !strings.Contains(err.Error(), "lease") {
+			t.Errorf("Setup with a pause budget of %v: %v, want it refused naming the flag and the lease", budget, err)
+		}
+	}
+	if entries, err := os.ReadDir(root); err != nil || len(entries) != 0 {
+		t.Errorf("the refused Setups left %v (%v) in the export root", entries, err)
 	}
 }

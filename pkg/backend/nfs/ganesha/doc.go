@@ -58,4 +58,11 @@
 // Server runs, it is started again after a short backoff and comes back with
 // every export found in the export directory and the clients in its
 // recovery database.
+//
+// Server.Pause holds ganesha still (SIGSTOP, then until every thread is
+// stopped) and resumes it (SIGCONT) when its caller says or a bound passes,
+// whichever is first, so that a copy of what it serves can be taken at one
+// instant; the supervisor only acts on an exit, which a stopped process
+// does not make, and Stop continues a paused ganesha so that it acts on
+// SIGTERM.
 package ganesha

@@ -48,6 +48,9 @@ func TestMain(m *testing.M) {
 type helperConfig struct {
 	Dir, ExportDir, ListenAddress, NetNSPath string
 	PIDFile                                  string // where it writes "<ganesha pid> <bus pid>" once ready
+	// Pause, when set, has it pause ganesha (for far longer than a test)
+	// before it writes PIDFile.
+	Pause bool
 }
 
 // superviseHelper runs a Server the way the controller does, in a process
@@ -66,6 +69,12 @@ func superviseHelper() int {
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
+	}
+	if c.Pause {
+		if _, err := srv.Pause(ctx, time.Hour); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
 	}
 	tmp := c.PIDFile + ".tmp"
 	if err := os.WriteFile(tmp, fmt.Appendf(nil, "%d %d\n", srv.GaneshaPID(), srv.BusPID()), 0o600); err == nil {
@@ -225,6 +234,51 @@ func TestSupervisorKilledTakesItsChildren(t *testing.T) {
 	}
 	<-h.done
 	waitFor(t, "ganesha and its bus to die with their supervisor", func() bool {
+		return !alive(gPID, gArg) && !alive(bPID, bArg)
+	})
+	waitFor(t, "the server namespace to be empty", func() bool {
+		return len(ganeshatest.NamespacePIDs(net.Server.Name)) == 0
+	})
+}
+
+// TestSupervisorKilledDuringAPauseTakesGanesha: a process killed while it
+// holds its ganesha paused (SIGSTOP) takes ganesha with it, stopped as it
+// is: nothing stays frozen for a next controller to find, and the server's
+// network namespace is empty.
+func TestSupervisorKilledDuringAPauseTakesGanesha(t *testing.T) {
+	requireGanesha(t)
+	net := ganeshatest.Setup(t, ganeshatest.Options{Nodes: 0})
+	runDir, exportDir, _ := testDirs(t)
+	pidFile := filepath.Join(t.TempDir(), "pids")
+	h := startHelper(t, "supervise", &helperConfig{Dir: runDir, ExportDir: exportDir,
+		ListenAddress: net.Server.Addr.String(), NetNSPath: net.Server.Path, PIDFile: pidFile, Pause: true})
+	var gPID, bPID int
+	waitFor(t, "the helper's Server to be ready and paused", func() bool {
+		if !h.running() {
+			t.Fatalf("the helper ended before its Server was paused")
+		}
+		content, err := os.ReadFile(pidFile)
+		if err != nil {
+			return false
+		}
+		_, err = fmt.Sscanf(string(content), "%d %d", &gPID, &bPID)
+		return err == nil
+	})
+	states, err := ThreadStates(gPID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for tid, st := range states {
+		if st != 'T' {
+			t.Fatalf("thread %s of the paused ganesha is in state %c, want T", tid, st)
+		}
+	}
+	if err := h.cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	<-h.done
+	gArg, bArg := filepath.Join(runDir, GaneshaConfName), "--config-file="+filepath.Join(runDir, BusConfName)
+	waitFor(t, "the paused ganesha and its bus to die with their supervisor", func() bool {
 		return !alive(gPID, gArg) && !alive(bPID, bArg)
 	})
 	waitFor(t, "the server namespace to be empty", func() bool {

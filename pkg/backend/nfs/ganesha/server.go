@@ -157,6 +157,9 @@ type Server struct {
 	bus      *proc
 	restarts int
 
+	// pauseSem is held from Pause until its resume: one pause at a time.
+	pauseSem chan struct{}
+
 	stopCh   chan struct{}
 	supDone  chan struct{}
 	stopOnce sync.Once
@@ -181,7 +184,7 @@ func StartServer(ctx context.Context, cfg ServerConfig) (*Server, error) {
 	if err := os.Chmod(cfg.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("ganesha: %w", err)
 	}
-	s := &Server{cfg: cfg, stopCh: make(chan struct{}), supDone: make(chan struct{})}
+	s := &Server{cfg: cfg, stopCh: make(chan struct{}), supDone: make(chan struct{}), pauseSem: make(chan struct{}, 1)}
 	s.logf = cfg.Logf
 	if s.logf == nil {
 		s.logf = klog.Infof
@@ -717,6 +720,8 @@ func (s *Server) terminate(p *proc) error {
 		return nil
 	}
 	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	// A process stopped by Pause acts on SIGTERM only once continued.
+	_ = p.cmd.Process.Signal(syscall.SIGCONT)
 	t := time.NewTimer(s.cfg.StopTimeout)
 	defer t.Stop()
 	select {

@@ -30,6 +30,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 
 	"golang.org/x/sys/unix"
 
@@ -42,6 +43,10 @@ import (
 type Pool struct {
 	root      string // the mount point, absolute and free of symlinks
 	blockSize int64  // the filesystem's block size
+
+	reflinkOnce sync.Once
+	reflinks    bool
+	reflinkErr  error
 }
 
 // DirMode is the mode of directories made by CreateDir.
@@ -366,8 +371,24 @@ func (p *Pool) xfsQuota(ctx context.Context, quotaCommand string) (stdout, stder
 //
 // The copy is of the tree as cp walks it: files written to the source
 // meanwhile may be copied before or after the write. Callers that need a
-// point-in-time copy stop writers first.
-func (p *Pool) CopyTree(ctx context.Context, srcRel, dstRel string, projectID uint32, limitBytes int64) (err error) {
+// point-in-time copy stop writers first (CopyTreeAround).
+func (p *Pool) CopyTree(ctx context.Context, srcRel, dstRel string, projectID uint32, limitBytes int64) error {
+	return p.CopyTreeAround(ctx, srcRel, dstRel, projectID, limitBytes, nil)
+}
+
+// CopyTreeAround is CopyTree with around run around the one step that
+// reads the source: around is called with that step (cp) as read, and
+// must call it at most once, with the context cp is to run under. A caller
+// that holds every writer of the source still inside around gets the
+// source as it was at one instant, and holds them only for the walk: the
+// limit, the destination directory and the project ids are set outside
+// it. With around, cp clones every file (--reflink=always) and fails on a
+// file it cannot clone instead of copying its bytes, so that the time
+// writers are held grows with the number of files, not with their size
+// (see Reflinks). An error of around's is returned wrapped (errors.Is and
+// errors.As find it), after the partial copy is removed as on any failure.
+func (p *Pool) CopyTreeAround(ctx context.Context, srcRel, dstRel string, projectID uint32, limitBytes int64,
+	around func(ctx context.Context, read func(context.Context) error) error) (err error) {
 	src, err := p.path(srcRel)
 	if err != nil {
 		return err
@@ -420,7 +441,20 @@ func (p *Pool) CopyTree(ctx context.Context, srcRel, dstRel string, projectID ui
 	}()
 	// -T: dst is the copy itself, so src's contents (and src's own mode,
 	// owner and times) land in the dst made above.
-	if _, err := command.Run(ctx, "cp", "-a", "--reflink=auto", "--no-target-directory", "--", src, dst); err != nil {
+	reflink := "--reflink=auto"
+	if around != nil {
+		reflink = "--reflink=always"
+	}
+	read := func(ctx context.Context) error {
+		_, err := command.Run(ctx, "cp", "-a", reflink, "--no-target-directory", "--", src, dst)
+		return err
+	}
+	if around == nil {
+		err = read(ctx)
+	} else {
+		err = around(ctx, read)
+	}
+	if err != nil {
 		return fmt.Errorf("projquota: %w", err)
 	}
 	if err := setProjectTree(dst, projectID); err != nil {
@@ -462,4 +496,46 @@ func (p *Pool) RemoveDir(ctx context.Context, rel string, projectID uint32) erro
 		}
 	}
 	return p.clearLimit(ctx, projectID)
+}
+
+// Reflinks reports whether the pool's filesystem clones files (xfs made
+// with reflink=1, mkfs.xfs's default since xfsprogs 5.1, so Prepare's
+// images have it): then a copy shares the source's blocks and takes time
+// for each file and extent, not for each byte. It is learned once, by
+// cloning one block between two unnamed temporary files (O_TMPFILE) in the
+// pool, which leave nothing behind.
+func (p *Pool) Reflinks() (bool, error) {
+	p.reflinkOnce.Do(func() { p.reflinks, p.reflinkErr = probeReflink(p.root) })
+	return p.reflinks, p.reflinkErr
+}
+
+func probeReflink(dir string) (bool, error) {
+	open := func() (*os.File, error) {
+		fd, err := unix.Open(dir, unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
+		if err != nil {
+			return nil, fmt.Errorf("projquota: a temporary file in %s: %w", dir, err)
+		}
+		return os.NewFile(uintptr(fd), "reflink-probe"), nil
+	}
+	src, err := open()
+	if err != nil {
+		return false, err
+	}
+	defer src.Close()
+	if _, err := src.Write(make([]byte, 4096)); err != nil {
+		return false, fmt.Errorf("projquota: writing a temporary file in %s: %w", dir, err)
+	}
+	dst, err := open()
+	if err != nil {
+		return false, err
+	}
+	defer dst.Close()
+	switch err := unix.IoctlFileClone(int(dst.Fd()), int(src.Fd())); {
+	case err == nil:
+		return true, nil
+	case errors.Is(err, unix.EOPNOTSUPP), errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOTTY):
+		return false, nil
+	default:
+		return false, fmt.Errorf("projquota: cloning a file in %s: %w", dir, err)
+	}
 }

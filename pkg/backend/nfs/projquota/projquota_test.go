@@ -788,3 +788,121 @@ func TestKernelSupportsQuotaAgreesWithMount(t *testing.T) {
 		t.Fatalf("the probe says the kernel lacks xfs quota support, but Prepare gave %v", err)
 	}
 }
+
+// TestReflinkProbe: the probe behind Reflinks tells an xfs made with
+// reflinks (mkfs.xfs's default, what Prepare makes) from one made without,
+// and leaves no file behind. Plain xfs mounts, so it runs on kernels
+// without xfs quota support too.
+func TestReflinkProbe(t *testing.T) {
+	needRoot(t)
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name string
+		mkfs []string
+		want bool
+	}{
+		{"mkfs.xfs defaults", nil, true},
+		{"reflink=0", []string{"-m", "reflink=0"}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			image := filepath.Join(dir, "probe.img")
+			if err := os.WriteFile(image, nil, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Truncate(image, 512*MiB); err != nil {
+				t.Fatal(err)
+			}
+			if out, err := exec.Command("mkfs.xfs", append(append([]string{"-q"}, tc.mkfs...), image)...).CombinedOutput(); err != nil {
+				t.Fatalf("mkfs.xfs: %v: %s", err, out)
+			}
+			dev, err := loop.Attach(ctx, image, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			mnt := filepath.Join(dir, "mnt")
+			if err := os.Mkdir(mnt, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				if _, err := loop.DetachIfBackedBy(context.Background(), dev.Path, image); err != nil {
+					t.Error(err)
+				}
+				checkNothingLeft(t, dir)
+			})
+			if err := unix.Mount(dev.Path, mnt, "xfs", 0, ""); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				if err := unix.Unmount(mnt, 0); err != nil {
+					t.Error(err)
+				}
+			})
+			got, err := probeReflink(mnt)
+			if err != nil || got != tc.want {
+				t.Errorf("probe on xfs made with %q: %v, %v; want %v", tc.mkfs, got, err, tc.want)
+			}
+			if entries, err := os.ReadDir(mnt); err != nil || len(entries) != 0 {
+				t.Errorf("the probe left %v (%v)", entries, err)
+			}
+		})
+	}
+}
+
+// TestCopyTreeAround: the step around is given copies the source, by
+// reflinks, and only that step: the destination and its limit are made
+// before around is called. An error of around's comes back wrapped and
+// leaves neither a partial copy nor a limit.
+func TestCopyTreeAround(t *testing.T) {
+	p, _ := newPool(t)
+	ctx := context.Background()
+	if ok, err := p.Reflinks(); err != nil || !ok {
+		t.Fatalf("Reflinks of a pool Prepare made: %v, %v; want true (mkfs.xfs makes reflink=1 by default)", ok, err)
+	}
+	if err := p.CreateDir(ctx, "volumes/src", 401, 40*MiB); err != nil {
+		t.Fatal(err)
+	}
+	src := filepath.Join(p.Root(), "volumes/src")
+	if _, err := testfiles.WriteFile(t, filepath.Join(src, "big"), 8*MiB); err != nil {
+		t.Fatal(err)
+	}
+	before := readTree(t, src)
+	dst := filepath.Join(p.Root(), "snapshots/around")
+	calls := 0
+	err := p.CopyTreeAround(ctx, "volumes/src", "snapshots/around", 402, 40*MiB, func(ctx context.Context, read func(context.Context) error) error {
+		calls++
+		if _, err := os.Stat(dst); err != nil {
+			t.Errorf("the destination is not made before around: %v", err)
+		}
+		if _, limit := usage(t, p, 402); limit != 40*MiB {
+			t.Errorf("the limit is %d before around, want %d", limit, 40*MiB)
+		}
+		if entries, _ := os.ReadDir(dst); len(entries) != 0 {
+			t.Errorf("the destination holds %d entries before read", len(entries))
+		}
+		return read(ctx)
+	})
+	if err != nil || calls != 1 {
+		t.Fatalf("CopyTreeAround: %v (around called %d times)", err, calls)
+	}
+	if after := readTree(t, dst); !maps.Equal(after, before) {
+		t.Error("the copy differs from the source")
+	}
+
+	held := errors.New("held too long")
+	err = p.CopyTreeAround(ctx, "volumes/src", "snapshots/failed", 403, 40*MiB, func(ctx context.Context, read func(context.Context) error) error {
+		if err := read(ctx); err != nil {
+			return err
+		}
+		return held
+	})
+	if !errors.Is(err, held) {
+		t.Errorf("CopyTreeAround whose around failed: %v, want it wrapping %v", err, held)
+	}
+	if _, serr := os.Lstat(filepath.Join(p.Root(), "snapshots/failed")); !errors.Is(serr, os.ErrNotExist) {
+		t.Errorf("failed copy left its destination: %v", serr)
+	}
+	if used, limit := usage(t, p, 403); used != 0 || limit != 0 {
+		t.Errorf("failed copy left project 403 with used %d limit %d", used, limit)
+	}
+}
