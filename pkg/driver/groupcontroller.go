@@ -31,8 +31,10 @@ import (
 // One point in time: every member's lock is held while the snapshots are
 // taken, so no node can be attached to a member in between, and the backend
 // takes them (backend.ControllerCapabilities.CreateSnapshotGroup). A block
-// pool whose volumes are a btrfs subvolume captures them all at one
-// instant, however many are being written. Elsewhere a single snapshot of a
+// pool whose volumes are a btrfs subvolume, and the NFS quota storage
+// with the driver's own ganesha (held still once for every member's
+// copy), capture them all at one instant, however many are being written.
+// Elsewhere a single snapshot of a
 // volume being written is atomic (a reflink, or a frozen filesystem for
 // NFS), but two such volumes would be taken one after the other while both
 // go on being written, and a workload that writes its log to one and its

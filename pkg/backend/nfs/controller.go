@@ -288,11 +288,6 @@ func (c *Controller) NodeExpansionRequired(*backend.Volume) bool { return false 
 // CreateVolume that makes it.
 func (c *Controller) Creating(context.Context, volumeid.ID) (bool, error) { return false, nil }
 
-// CreateSnapshotGroup takes the members one after the other.
-func (c *Controller) CreateSnapshotGroup(ctx context.Context, members []backend.GroupMember) ([]*backend.Snapshot, error) {
-	return backend.SnapshotOneAtATime(ctx, c, members)
-}
-
 // SnapshotBlocks refuses: an NFS volume is a directory tree, not a device,
 // so its snapshots have files, not blocks.
 func (c *Controller) SnapshotBlocks(_ context.Context, req backend.BlockRangesRequest) (*backend.BlockRanges, error) {
@@ -1425,14 +1420,20 @@ func (c *Controller) CreateSnapshot(ctx context.Context, id volumeid.ID, name st
 		}
 		return nil, status.Errorf(codes.Internal, "copying %s: %v", source, err)
 	}
+	return c.recordSnapshot(ctx, id, name, &src.Volume, project)
+}
+
+// recordSnapshot records a snapshot whose copy of source is in place, or
+// removes the copy and lets go of its reservation when it cannot.
+func (c *Controller) recordSnapshot(ctx context.Context, id volumeid.ID, name string, source *backend.Volume, project uint32) (*backend.Snapshot, error) {
 	c.settle(ctx, c.snapshotRel(id)) // never exported
 	rec := &snapshotRecord{Snapshot: backend.Snapshot{
-		ID: id.String(), Name: name, SourceVolumeID: source.String(), SizeBytes: src.Volume.CapacityBytes, CreatedAt: time.Now().UTC(),
-		AccessType: src.Volume.AccessType, FsType: src.Volume.FsType,
+		ID: id.String(), Name: name, SourceVolumeID: source.ID, SizeBytes: source.CapacityBytes, CreatedAt: time.Now().UTC(),
+		AccessType: source.AccessType, FsType: source.FsType,
 	}, ProjectID: project}
 	if err := fsutil.WriteJSONAtomic(c.snapshotMeta(id), rec); err != nil {
 		_ = c.cfg.Storage.Remove(ctx, c.snapshotRel(id), project)
-		c.release(0, project, src.Volume.CapacityBytes)
+		c.release(0, project, source.CapacityBytes)
 		return nil, status.Errorf(codes.Internal, "recording snapshot %s: %v", id, err)
 	}
 	c.mu.Lock()
