@@ -65,7 +65,7 @@ func (c *Controller) CreateSnapshotGroup(ctx context.Context, members []backend.
 		read func(context.Context) error
 		done chan error
 	}
-	arrived := make(chan handover) // unbuffered: once abandoned, no copy hands its read over
+	arrived := make(chan handover)             // unbuffered: once abandoned, no copy hands its read over
 	early := make(chan struct{}, len(members)) // a copy that ended before its read
 	abandon := make(chan struct{})
 	errs := make([]error, len(members))
