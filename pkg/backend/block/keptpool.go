@@ -105,6 +105,12 @@ func keepPool(ctx context.Context, zone, dir, filesystem string) (string, *keptf
 	if err != nil {
 		return "", nil, err
 	}
+	// Made if missing, as the controller's lock makes it: this runs
+	// before that lock (a node role in the same process needs the root
+	// first), and a fresh directory is where a kept pool starts.
+	if err := os.MkdirAll(abs, 0o700); err != nil {
+		return "", nil, err
+	}
 	real, err := filepath.EvalSymlinks(abs)
 	if err != nil {
 		return "", nil, err
