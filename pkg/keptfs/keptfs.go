@@ -23,9 +23,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -203,7 +203,7 @@ func mountDevice(s Spec, dev, image, mnt string) error {
 }
 
 // usersPrefix starts the name of a users file: the lock file's name, then
-// this, then the mount namespace's inode number.
+// this, then the mount namespace's inode number and the mount point's hash.
 const usersPrefix = "-users-"
 
 // use takes this keeper's share of a shared filesystem: a shared lock on
@@ -217,11 +217,10 @@ func (f *FS) use() error {
 		return nil
 	}
 	sweepUsers(f.spec)
-	ns, err := mountNamespace()
+	path, err := usersFile(f.spec, f.Root)
 	if err != nil {
 		return err
 	}
-	path := filepath.Join(f.spec.Dir, f.spec.Lock+usersPrefix+ns)
 	u, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|unix.O_CLOEXEC, 0o600)
 	if err != nil {
 		return err
@@ -234,13 +233,18 @@ func (f *FS) use() error {
 	return nil
 }
 
-// mountNamespace is the inode number of this process's mount namespace.
-func mountNamespace() (string, error) {
+// usersFile is the users file of the mount at root in this process's
+// mount namespace: named by the namespace's inode number and the mount
+// point, since keepers that reach the directory by two paths (a bind
+// mount) each have a mount of their own to take off.
+func usersFile(s Spec, root string) (string, error) {
 	var st unix.Stat_t
 	if err := unix.Stat("/proc/self/ns/mnt", &st); err != nil {
 		return "", fmt.Errorf("finding this process's mount namespace: %w", err)
 	}
-	return strconv.FormatUint(st.Ino, 10), nil
+	h := fnv.New32a()
+	h.Write([]byte(root))
+	return filepath.Join(s.Dir, fmt.Sprintf("%s%s%d-%08x", s.Lock, usersPrefix, st.Ino, h.Sum32())), nil
 }
 
 // sweepUsers removes the users files nobody holds a lock on: those of
@@ -446,7 +450,7 @@ func ensureImage(ctx context.Context, image string, size int64, mkfsArgs []strin
 // refused.
 func ownDevice(ctx context.Context, image string) (dev string, attached bool, err error) {
 	// This image, not a deleted one of its name.
-	bound, err := loop.DevicesOf(image)
+	bound, err := loop.DevicesOfFile(image)
 	if err != nil {
 		return "", false, fmt.Errorf("listing the loop devices of %s: %w", image, err)
 	}
@@ -475,8 +479,12 @@ func ownDevice(ctx context.Context, image string) (dev string, attached bool, er
 // one (attached true). Two devices bound to it are refused: mounting
 // either would put a second superblock over a file the first may be
 // writing through.
+//
+// Devices are found by inode, not by path: the process that bound one may
+// have seen the directory at another path (another pod's hostPath, a bind
+// mount), and missing its device would attach a second one.
 func sharedDevice(ctx context.Context, image string) (dev string, attached bool, err error) {
-	bound, err := loop.DevicesOf(image)
+	bound, err := loop.DevicesOfFile(image)
 	if err != nil {
 		return "", false, fmt.Errorf("listing the loop devices of %s: %w", image, err)
 	}

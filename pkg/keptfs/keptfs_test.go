@@ -140,8 +140,8 @@ func TestSharedFilesystemStaysForItsLastKeeper(t *testing.T) {
 	}
 	checkNothingLeft(t, s)
 	// The users file of this namespace went with its last keeper.
-	ns, _ := mountNamespace()
-	if _, err := os.Stat(filepath.Join(s.Dir, s.Lock+usersPrefix+ns)); !errors.Is(err, os.ErrNotExist) {
+	users, _ := usersFile(s, s.mnt())
+	if _, err := os.Stat(users); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("users file left: %v", err)
 	}
 }

@@ -87,7 +87,7 @@ func assertKeptReleased(t *testing.T, dir string) {
 	}
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		devs, err := loop.DevicesOf(image)
+		devs, err := loop.DevicesOfFile(image)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -257,6 +257,75 @@ func TestKeptPoolIsSharedAndReleased(t *testing.T) {
 		if b, err := os.ReadFile(filepath.Join(mnt, name)); err != nil || string(b) != want {
 			t.Errorf("%s after keeping it again: %q %v", name, b, err)
 		}
+	}
+}
+
+// TestKeptPoolReachedByAnotherPath: a keeper that reaches the pool
+// directory by another path (a bind mount, as another pod's hostPath may
+// show it) finds the loop device the first keeper bound by inode, though
+// the kernel names its backing file by the first keeper's path, and mounts
+// that one rather than binding a second device to the image.
+func TestKeptPoolReachedByAnotherPath(t *testing.T) {
+	requireRoot(t)
+	root := testRoot(t)
+	dir := outerDir(t, "tmpfs")
+	first := keepPools(t, map[string]string{"zone-a": dir})
+	real, _ := filepath.EvalSymlinks(dir)
+	image := filepath.Join(real, KeptImageName)
+	devs, err := loop.DevicesOfFile(image)
+	if err != nil || len(devs) != 1 {
+		t.Fatalf("devices of the kept image: %v %v", devs, err)
+	}
+
+	elsewhere := filepath.Join(root, "elsewhere")
+	if err := os.Mkdir(elsewhere, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount(real, elsewhere, "", unix.MS_BIND, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := unix.Unmount(elsewhere, 0); err != nil {
+			t.Errorf("unmounting the bind mount: %v", err)
+		}
+	})
+	if named, _ := loop.DevicesOf(filepath.Join(elsewhere, KeptImageName)); len(named) != 0 {
+		t.Fatalf("the kernel names the device by the other path too (%v): this test shows nothing", named)
+	}
+	second, err := KeepPools(context.Background(), map[string]string{"zone-a": elsewhere}, PoolFilesystemAuto)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = second.Release() })
+	if second.Roots["zone-a"] != filepath.Join(elsewhere, KeptMountDir) {
+		t.Fatalf("root %s", second.Roots["zone-a"])
+	}
+	all, err := mtab.All()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := mtab.TopAt(all, second.Roots["zone-a"]); m == nil || m.Source != devs[0] {
+		t.Errorf("the pool by the other path is mounted from %v, want %s", m, devs[0])
+	}
+	if now, _ := loop.DevicesOfFile(image); len(now) != 1 {
+		t.Errorf("kept image bound to %v, want only %s", now, devs[0])
+	}
+	if err := os.WriteFile(filepath.Join(first.Roots["zone-a"], "seen"), []byte("one"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(filepath.Join(second.Roots["zone-a"], "seen")); err != nil || string(b) != "one" {
+		t.Errorf("a file written through one path reads %q, %v through the other", b, err)
+	}
+	// Its own mount point: the last keeper there takes it off, though a
+	// keeper of the other path still uses the filesystem.
+	if err := second.Release(); err != nil {
+		t.Fatal(err)
+	}
+	if n := mountsAt(t, second.Roots["zone-a"]); n != 0 {
+		t.Errorf("%d mounts left at %s after its only keeper let go", n, second.Roots["zone-a"])
+	}
+	if n := mountsAt(t, first.Roots["zone-a"]); n != 1 {
+		t.Errorf("%d mounts at %s, which its keeper still uses", n, first.Roots["zone-a"])
 	}
 }
 

@@ -345,6 +345,36 @@ func DevicesOf(image string) ([]string, error) {
 	return current, err
 }
 
+// DevicesOfFile lists the loop devices bound to the very file image is now
+// (same filesystem and inode), by whatever path the process that bound it
+// reached the file. The kernel reports a backing file by the path its
+// binder saw: one in another mount namespace (a pod whose hostPath shows
+// the directory elsewhere) or through a bind mount names the same file by
+// another path, which DevicesOf does not recognise. Only the devices whose
+// backing file has image's base name are opened to compare inodes, so no
+// other image's device is held open even for a moment.
+func DevicesOfFile(image string) ([]string, error) {
+	all, err := List()
+	if err != nil {
+		return nil, err
+	}
+	base := filepath.Base(image)
+	var out []string
+	for _, a := range all {
+		if filepath.Base(strings.TrimSuffix(a.BackingFile, DeletedSuffix)) != base {
+			continue
+		}
+		same, err := BoundTo(a.Device, image)
+		if err != nil {
+			return nil, err
+		}
+		if same {
+			out = append(out, a.Device)
+		}
+	}
+	return out, nil
+}
+
 // Bound lists the loop devices bound to a file of image's name: current
 // to the very file there now (same inode, BoundTo), stale to an earlier
 // file of that name since deleted or replaced, a leftover to detach and
