@@ -536,3 +536,62 @@ func TestKeptImageThatCannotBeMountedFailsClosed(t *testing.T) {
 	}
 	assertKeptReleased(t, dir)
 }
+
+// TestKeptPoolGivesDeletedSpaceBack: what is deleted in a kept pool goes
+// back to the filesystem under its sparse image (mounted with discard), so
+// deleted volumes and snapshots do not stay allocated underneath.
+func TestKeptPoolGivesDeletedSpaceBack(t *testing.T) {
+	requireRoot(t)
+	testRoot(t)
+	dir := outerDir(t, "ext4")
+	k := keepPools(t, map[string]string{"zone-a": dir})
+	real, _ := filepath.EvalSymlinks(dir)
+	image := filepath.Join(real, KeptImageName)
+	allocated := func() int64 {
+		t.Helper()
+		n, err := allocatedBytes(image)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	before := allocated()
+	data := filepath.Join(k.Roots["zone-a"], "data")
+	f, err := os.Create(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	chunk := bytes.Repeat([]byte{0x5a}, 1<<20)
+	for range 128 {
+		if _, err := f.Write(chunk); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	written := allocated()
+	if written < before+100*mib {
+		t.Fatalf("128 MiB written in the pool grew its image from %d to only %d bytes", before, written)
+	}
+	if err := os.Remove(data); err != nil {
+		t.Fatal(err)
+	}
+	// xfs discards freed extents once their removal is in its log.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		root, err := os.Open(k.Roots["zone-a"])
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = unix.Syncfs(int(root.Fd()))
+		root.Close()
+		if now := allocated(); now < written-100*mib {
+			return
+		} else if time.Now().After(deadline) {
+			t.Fatalf("after deleting 128 MiB the image still has %d bytes allocated (%d before writing, %d after)", now, before, written)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
