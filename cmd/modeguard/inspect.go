@@ -1,12 +1,16 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"flag"
 	"fmt"
+	"maps"
 	"os"
+	"path/filepath"
 	"strings"
 
+	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/pkg/inspect"
 )
 
@@ -27,7 +31,26 @@ func runInspect(args []string) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	o.BlockPools, o.StateDirs, o.Volumes = pools, stateDirs, fs.Args()
+	o.StateDirs, o.Volumes = stateDirs, fs.Args()
+	// A pool directory with a kept filesystem has its records in there:
+	// mounted (or found mounted) for as long as this reads, never made.
+	kept := map[string]string{}
+	o.BlockPools = map[string]string{}
+	for zone, dir := range pools {
+		if _, err := os.Stat(filepath.Join(dir, block.KeptImageName)); err == nil {
+			kept[zone] = dir
+		} else {
+			o.BlockPools[zone] = dir
+		}
+	}
+	if len(kept) > 0 {
+		k, err := block.KeepPools(context.Background(), kept, block.PoolFilesystemAuto)
+		if err != nil {
+			return err
+		}
+		defer k.Release()
+		maps.Copy(o.BlockPools, k.Roots)
+	}
 	report, err := inspect.Collect(o)
 	if err != nil {
 		return err

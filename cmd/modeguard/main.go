@@ -93,10 +93,14 @@ type options struct {
 	driverName  string
 	maxVolumes  int64
 	pools       poolFlag
-	metricsAddr string
-	showVersion bool
-	logging     *logsapi.LoggingConfiguration
-	nfs         nfs.Options
+	// poolFilesystem is --block-pool-filesystem; roots are the pool roots
+	// it gave each zone's --block-pool directory (block.KeepPools).
+	poolFilesystem string
+	roots          map[string]string
+	metricsAddr    string
+	showVersion    bool
+	logging        *logsapi.LoggingConfiguration
+	nfs            nfs.Options
 	// fenceFile is where the controller keeps its network fences.
 	fenceFile string
 
@@ -189,6 +193,10 @@ func flagSet(o *options) *flag.FlagSet {
 	fs.StringVar(&o.driverName, "driver-name", driver.DefaultDriverName, "CSI driver name")
 	fs.Int64Var(&o.maxVolumes, "max-volumes-per-node", 128, "node: volumes this node may hold at once, reported in NodeGetInfo and in its node id; the controller refuses an attach beyond it (0: no limit)")
 	fs.Var(o.pools, "block-pool", "ZONE=DIR: a block pool this process may place or find volumes in (repeatable)")
+	fs.StringVar(&o.poolFilesystem, "block-pool-filesystem", block.PoolFilesystemAuto,
+		"how a --block-pool directory holds volumes: auto (where its filesystem has no reflinks, as ext4 and tmpfs, the driver keeps a sparse xfs with reflinks in it, "+
+			"so that snapshots and clones of volumes in use are instant clones; a directory with reflinks, with volumes of an earlier pool, or under 300 MiB is used as it is) "+
+			"or direct (always as it is; snapshots and clones of volumes attached read-write are refused without reflinks). Every process of a zone must agree")
 	fs.Var(o.targets, "block-target", "controller: ZONE=HOST:PORT or ZONE=unix:///PATH: the storage target (--roles target) that serves zone ZONE's block pool (repeatable)")
 	fs.StringVar(&o.targetEndpoint, "target-endpoint", "unix:///run/modeguard/target.sock",
 		"target: where to serve the storage target's API: unix:///path (0600) or tcp://host:port (mutual TLS: --tls-cert, --tls-key, --tls-ca)")
@@ -304,11 +312,26 @@ func run(o *options) error {
 		o.nfs.ControlFailed = cfg.Metrics.NFSControlFailed
 		o.nfs.Paused = cfg.Metrics.NFSPaused
 	}
+	if len(o.pools) > 0 {
+		// Once, for every role of this process, before any of them looks
+		// into a pool: the controller and the node plugin must find the
+		// same volumes.
+		kept, err := block.KeepPools(ctx, o.pools, o.poolFilesystem)
+		if err != nil {
+			return err
+		}
+		defer func() {
+			if err := kept.Release(); err != nil {
+				klog.ErrorS(err, "Releasing the kept block pools")
+			}
+		}()
+		o.roots = kept.Roots
+	}
 	if slices.Contains(roles, driver.RoleNode) {
 		cfg.Nodes[accessmode.BackendNFS] = nfs.NewNode(nil, nil)
 		switch {
 		case cfg.ISCSIInitiator != "":
-			n, err := block.NewNetworkNode(o.pools, block.ISCSI{
+			n, err := block.NewNetworkNode(o.roots, block.ISCSI{
 				Initiator: iscsi.Initiator{ReplacementTimeout: o.iscsiReplacement},
 				User:      nodeid.Key(o.nodeID), SecretFile: o.iscsiSecretFile,
 			})
@@ -317,7 +340,7 @@ func run(o *options) error {
 			}
 			cfg.Nodes[accessmode.BackendBlock] = n
 		case len(o.pools) > 0:
-			n, err := block.NewNode(o.pools)
+			n, err := block.NewNode(o.roots)
 			if err != nil {
 				return fmt.Errorf("block pools: %w", err)
 			}
@@ -463,6 +486,11 @@ func setupControllers(ctx context.Context, o *options, waiting func(string)) (ma
 	}
 	var local backend.Controller
 	if pools := controllerPools(o); len(pools) > 0 {
+		for zone := range pools {
+			if root, ok := o.roots[zone]; ok {
+				pools[zone] = root
+			}
+		}
 		c, err := block.NewController(pools)
 		if err != nil {
 			stop()

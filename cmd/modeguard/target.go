@@ -72,7 +72,16 @@ func runTarget(o *options) error {
 		return err
 	}
 	defer lock.Release()
-	pools, err := block.NewController(o.pools)
+	kept, err := block.KeepPools(ctx, o.pools, o.poolFilesystem)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if err := kept.Release(); err != nil {
+			klog.ErrorS(err, "Releasing the kept block pools")
+		}
+	}()
+	pools, err := block.NewController(kept.Roots)
 	if err != nil {
 		return fmt.Errorf("block pools: %w", err)
 	}

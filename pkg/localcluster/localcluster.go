@@ -127,7 +127,7 @@ func (c *Cluster) startTarget(ctx context.Context, zone, pool string) ([]string,
 		tlsArgs = []string{"--tls-cert", t.Target.Cert, "--tls-key", t.Target.Key, "--tls-ca", t.Target.CA}
 		ctrlTLS = t.Controller
 	}
-	p.args = append([]string{"--roles", "target", "--block-pool", zone + "=" + pool, "--target-endpoint", endpoint,
+	p.args = append([]string{"--roles", "target", "--block-pool", zone + "=" + pool, "--block-pool-filesystem=direct", "--target-endpoint", endpoint,
 		"-v", fmt.Sprint(c.Verbosity)}, tlsArgs...)
 	p.ready = func(ctx context.Context) error {
 		rc, err := remote.Dial(ctx, remote.Target{Address: address, TLS: ctrlTLS})
@@ -168,7 +168,7 @@ func (c *Cluster) startAll(ctx context.Context, nodes []NodeSpec) error {
 			return err
 		}
 		c.Pools[z] = dir
-		poolArgs = append(poolArgs, "--block-pool="+z+"="+dir)
+		poolArgs = append(poolArgs, "--block-pool="+z+"="+dir, "--block-pool-filesystem=direct")
 	}
 	sort.Strings(poolArgs)
 	ctrlPoolArgs := poolArgs

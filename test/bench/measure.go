@@ -89,12 +89,12 @@ func (b *bench) startBlockPairVia(ctx context.Context, name string, viaTarget bo
 		ctrlBlockArg = "--block-target=" + zone + "=unix://" + t.socket
 	}
 	ctrl, err := b.plugin(ctx, "controller", filepath.Join(dir, "controller"),
-		"--roles", "controller", ctrlBlockArg, "--max-volumes-per-node", "100000")
+		"--roles", "controller", ctrlBlockArg, "--block-pool-filesystem=direct", "--max-volumes-per-node", "100000")
 	if err != nil {
 		return nil, err
 	}
 	node, err := b.plugin(ctx, "node", filepath.Join(dir, "node"),
-		"--roles", "node", "--node-id", nodeName, "--zone", zone, poolArg,
+		"--roles", "node", "--node-id", nodeName, "--zone", zone, poolArg, "--block-pool-filesystem=direct",
 		"--state-dir", filepath.Join(dir, "node", "state"), "--max-volumes-per-node", "100000")
 	if err != nil {
 		return nil, err
@@ -472,7 +472,7 @@ func controllerScale(ctx context.Context, b *bench) ([]row, error) {
 		return nil, err
 	}
 	ctrl, err := b.plugin(ctx, "controller", filepath.Join(dir, "controller"),
-		"--roles", "controller", "--block-pool="+zone+"="+pool, "--max-volumes-per-node", "100000",
+		"--roles", "controller", "--block-pool="+zone+"="+pool, "--block-pool-filesystem=direct", "--max-volumes-per-node", "100000",
 		"--nfs-export-root", filepath.Join(dir, "nfs"), "--nfs-storage", "images", "--nfs-image-filesystem", b.opts.nfsImageFS,
 		"--nfs-server", "127.0.0.1", "--nfs-listen-address", "127.0.0.1", "--nfs-port", "20490",
 		"--nfs-ganesha-dir", filepath.Join(dir, "ganesha"))

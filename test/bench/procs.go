@@ -43,7 +43,7 @@ func newTarget(binary, dir, pool string) (*plugin, error) {
 		return nil, err
 	}
 	p := &plugin{name: "target", binary: binary, socket: filepath.Join(dir, "target.sock"), logPath: filepath.Join(dir, "log"), apiOnly: true}
-	p.args = []string{"--roles", "target", "--block-pool=" + zone + "=" + pool, "--target-endpoint", "unix://" + p.socket,
+	p.args = []string{"--roles", "target", "--block-pool=" + zone + "=" + pool, "--block-pool-filesystem=direct", "--target-endpoint", "unix://" + p.socket,
 		"-v", strconv.Itoa(driverVerbosity)}
 	return p, nil
 }

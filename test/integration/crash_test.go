@@ -227,9 +227,9 @@ func crashScenario(t *testing.T, bin, point, where string) {
 	}
 	poolArg := "--block-pool=zone-a=" + pool
 	ctrl := &crashProc{t: t, name: "controller", bin: bin, socket: filepath.Join(work, "c.sock"), log: filepath.Join(work, "controller.log"),
-		args: []string{"--roles", "controller", poolArg, "-v", "2"}}
+		args: []string{"--roles", "controller", poolArg, "--block-pool-filesystem=direct", "-v", "2"}}
 	node := &crashProc{t: t, name: "node", bin: bin, socket: filepath.Join(work, "n.sock"), log: filepath.Join(work, "node.log"),
-		args: []string{"--roles", "node", "--node-id", "crash-node", "--zone", "zone-a", poolArg, "--state-dir", state, "-v", "2"}}
+		args: []string{"--roles", "node", "--node-id", "crash-node", "--zone", "zone-a", poolArg, "--block-pool-filesystem=direct", "--state-dir", state, "-v", "2"}}
 	target := map[string]*crashProc{"controller": ctrl, "node": node}[where]
 	target.env = []string{faultpoint.EnvVar + "=" + point}
 	ctrl.start()
@@ -400,9 +400,9 @@ func TestInterruptedStageUndoneByUnstage(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctrl := &crashProc{t: t, name: "controller", bin: bin, socket: filepath.Join(work, "c.sock"), log: filepath.Join(work, "controller.log"),
-		args: []string{"--roles", "controller", poolArg}}
+		args: []string{"--roles", "controller", poolArg, "--block-pool-filesystem=direct"}}
 	node := &crashProc{t: t, name: "node", bin: bin, socket: filepath.Join(work, "n.sock"), log: filepath.Join(work, "node.log"),
-		args: []string{"--roles", "node", "--node-id", "crash-node", "--zone", "zone-a", poolArg, "--state-dir", state},
+		args: []string{"--roles", "node", "--node-id", "crash-node", "--zone", "zone-a", poolArg, "--block-pool-filesystem=direct", "--state-dir", state},
 		env:  []string{faultpoint.EnvVar + "=block.stage.attached"}}
 	ctrl.start()
 	node.start()
@@ -474,11 +474,11 @@ func TestVanishedNodeHandsOverItsVolume(t *testing.T) {
 	}
 	poolArg := "--block-pool=zone-a=" + pool
 	ctrl := &crashProc{t: t, name: "controller", bin: bin, socket: filepath.Join(work, "c.sock"), log: filepath.Join(work, "controller.log"),
-		args: []string{"--roles", "controller", poolArg}}
+		args: []string{"--roles", "controller", poolArg, "--block-pool-filesystem=direct"}}
 	nodes := map[string]*crashProc{}
 	for _, n := range []string{"node-a1", "node-a2"} {
 		nodes[n] = &crashProc{t: t, name: n, bin: bin, socket: filepath.Join(work, n+".sock"), log: filepath.Join(work, n+".log"),
-			args: []string{"--roles", "node", "--node-id", n, "--zone", "zone-a", poolArg, "--state-dir", filepath.Join(work, n+"-state")}}
+			args: []string{"--roles", "node", "--node-id", n, "--zone", "zone-a", poolArg, "--block-pool-filesystem=direct", "--state-dir", filepath.Join(work, n+"-state")}}
 	}
 	ctrl.start()
 	nodes["node-a1"].start()

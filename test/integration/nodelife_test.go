@@ -46,9 +46,9 @@ func startNodeLife(t *testing.T, bin string, nodeEnv ...string) *nodeLife {
 	}
 	poolArg := "--block-pool=zone-a=" + l.pool
 	l.ctrl = &crashProc{t: t, name: "controller", bin: bin, socket: filepath.Join(work, "c.sock"), log: filepath.Join(work, "controller.log"),
-		args: []string{"--roles", "controller", poolArg, "-v", "2"}}
+		args: []string{"--roles", "controller", poolArg, "--block-pool-filesystem=direct", "-v", "2"}}
 	l.node = &crashProc{t: t, name: "node", bin: bin, socket: filepath.Join(work, "n.sock"), log: filepath.Join(work, "node.log"),
-		args: []string{"--roles", "node", "--node-id", "life-node", "--zone", "zone-a", poolArg, "--state-dir", l.state, "-v", "2"},
+		args: []string{"--roles", "node", "--node-id", "life-node", "--zone", "zone-a", poolArg, "--block-pool-filesystem=direct", "--state-dir", l.state, "-v", "2"},
 		env:  nodeEnv}
 	l.ctrl.start()
 	l.node.start()

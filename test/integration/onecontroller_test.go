@@ -52,7 +52,7 @@ func TestOneControllerPerStorageTarget(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	target := exec.Command(bin, "--roles", "target", "--block-pool=zone-a="+filepath.Join(work, "pool"),
+	target := exec.Command(bin, "--roles", "target", "--block-pool=zone-a="+filepath.Join(work, "pool"), "--block-pool-filesystem=direct",
 		"--target-endpoint", "unix://"+sock, "-v", "2")
 	target.Stdout, target.Stderr = logf, logf
 	if err := target.Start(); err != nil {
@@ -91,7 +91,7 @@ func TestOneControllerPerStorageTarget(t *testing.T) {
 func oneControllerActsAtATime(t *testing.T, bin, work, blockArg, waitingLog, refusal string) {
 	poolArg := blockArg
 	first := &crashProc{t: t, name: "first controller", bin: bin, socket: filepath.Join(work, "c1.sock"), log: filepath.Join(work, "c1.log"),
-		args: []string{"--roles", "controller", poolArg, "-v", "2"}}
+		args: []string{"--roles", "controller", poolArg, "--block-pool-filesystem=direct", "-v", "2"}}
 	first.start()
 	t.Cleanup(first.stop)
 	cc1 := csi.NewControllerClient(first.conn)
@@ -114,7 +114,7 @@ func oneControllerActsAtATime(t *testing.T, bin, work, blockArg, waitingLog, ref
 		t.Fatal(err)
 	}
 	sock2 := filepath.Join(work, "c2.sock")
-	second := exec.Command(bin, "--endpoint", "unix://"+sock2, "--roles", "controller", poolArg, "-v", "2")
+	second := exec.Command(bin, "--endpoint", "unix://"+sock2, "--roles", "controller", poolArg, "--block-pool-filesystem=direct", "-v", "2")
 	second.Stdout, second.Stderr = logf, logf
 	if err := second.Start(); err != nil {
 		t.Fatal(err)

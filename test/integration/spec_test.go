@@ -29,7 +29,7 @@ func TestNamesAndMinimaAcrossBackends(t *testing.T) {
 	pool := filepath.Join(t.TempDir(), "pool")
 	// Image storage: its volumes have a real minimum (an xfs image).
 	ctrl := testenv.StartNFSController(ctx, t, bin, net.Server.Path, net.Server.Addr.String(),
-		"--nfs-storage", "images", "--block-pool", "zone-a="+pool)
+		"--nfs-storage", "images", "--block-pool", "zone-a="+pool, "--block-pool-filesystem=direct")
 	cc := ctrl.CSI
 
 	create := func(backendName string) (*csi.Volume, error) {

@@ -832,11 +832,11 @@ func TestStressInvariants(t *testing.T) {
 		}
 	}
 	s.ctrl = &crashProc{t: t, name: "controller", bin: bin, socket: filepath.Join(work, "c.sock"), log: filepath.Join(work, "controller.log"),
-		args: []string{"--roles", "controller", "--block-pool=zone-a=" + pools["zone-a"], "--block-pool=zone-b=" + pools["zone-b"]}}
+		args: []string{"--roles", "controller", "--block-pool=zone-a=" + pools["zone-a"], "--block-pool-filesystem=direct", "--block-pool=zone-b=" + pools["zone-b"]}}
 	for _, n := range []struct{ name, zone string }{{"node-a1", "zone-a"}, {"node-a2", "zone-a"}, {"node-b1", "zone-b"}} {
 		s.nodes = append(s.nodes, &stressNode{name: n.name, zone: n.zone, proc: &crashProc{t: t, name: n.name, bin: bin,
 			socket: filepath.Join(work, n.name+".sock"), log: filepath.Join(work, n.name+".log"),
-			args: []string{"--roles", "node", "--node-id", n.name, "--zone", n.zone, "--block-pool=" + n.zone + "=" + pools[n.zone],
+			args: []string{"--roles", "node", "--node-id", n.name, "--zone", n.zone, "--block-pool=" + n.zone + "=" + pools[n.zone], "--block-pool-filesystem=direct",
 				"--state-dir", filepath.Join(work, "state-"+n.name)}}})
 	}
 	procs := []*crashProc{s.ctrl}
@@ -1184,9 +1184,9 @@ func TestThousandLifecyclesLeakNothing(t *testing.T) {
 		"node":       fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)),
 	}
 	ctrl := &crashProc{t: t, name: "controller", bin: bin, socket: filepath.Join(work, "c.sock"), log: filepath.Join(work, "controller.log"),
-		args: []string{"--roles", "controller", poolArg, "--metrics-address=" + metrics["controller"]}}
+		args: []string{"--roles", "controller", poolArg, "--block-pool-filesystem=direct", "--metrics-address=" + metrics["controller"]}}
 	node := &crashProc{t: t, name: "node", bin: bin, socket: filepath.Join(work, "n.sock"), log: filepath.Join(work, "node.log"),
-		args: []string{"--roles", "node", "--node-id", "life-node", "--zone", "zone-a", poolArg, "--state-dir", state,
+		args: []string{"--roles", "node", "--node-id", "life-node", "--zone", "zone-a", poolArg, "--block-pool-filesystem=direct", "--state-dir", state,
 			"--metrics-address=" + metrics["node"]}}
 	ctrl.start()
 	node.start()

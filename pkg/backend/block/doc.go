@@ -18,6 +18,26 @@
 // id alone locates its files and a path can only ever be built from an id
 // that volumeid.Parse accepted.
 //
+// DIR above is the pool root. It is the --block-pool directory itself,
+// unless that directory's filesystem has no reflinks: then the driver keeps
+// an xfs with reflinks in it (KeepPools, keptpool.go) and the root is that
+// filesystem, mounted inside the directory:
+//
+//	DIR/kept-pool.img          sparse xfs image (mkfs.xfs -m reflink=1), as
+//	                           large as DIR's filesystem, never resized
+//	DIR/kept/                  where it is mounted (-o discard): the root
+//	DIR/.kept-pool.lock*       lock files of the processes that mount it
+//
+// Every process that uses the pool (controller, storage target, node
+// plugins, --block-pool-filesystem=auto in each) resolves DIR the same
+// way, so they all find the same volumes: whoever comes first makes and
+// attaches the image, the others mount the loop device already bound to it
+// (two devices over one xfs image would corrupt it), each in its own mount
+// namespace. A directory that has reflinks, that holds volumes or
+// snapshots from before (they stay where they are), or whose filesystem is
+// under xfs's 300 MiB minimum is its own root; one holding a kept image is
+// never used as its own root.
+//
 // # Who writes what
 //
 // Only the controller writes. It creates an image under a temporary name,
@@ -52,11 +72,21 @@
 //     an instant single point in time that costs no space until either
 //     side changes. Guest fsyncs reach the image file before they return
 //     (the loop device flushes into it), so they are all in the clone.
-//   - Without reflinks (ext4, tmpfs) a byte copy is only a point in time
-//     if nothing writes the image while it runs. A volume attached
-//     read-write to any node (the controller's record), or bound read-write
-//     to a loop device on the controller's machine (the kernel's word), is
-//     refused with FAILED_PRECONDITION saying so; once detached it copies.
+//   - A pool directory without reflinks (ext4, tmpfs, xfs made with
+//     reflink=0) gets an xfs with reflinks kept in it (see Pool layout),
+//     so the copy is the same FICLONE there. It costs one loop device and
+//     one xfs mount per pool and process namespace, and space on the
+//     directory's filesystem only as blocks are written (the image is
+//     sparse; the discard mount option punches the blocks of deleted
+//     images back out of it).
+//   - Where there is still no reflink (a pool that held volumes before it
+//     could be kept, --block-pool-filesystem=direct, a filesystem under
+//     300 MiB), a byte copy is only a point in time if nothing writes the
+//     image while it runs. A volume attached read-write to any node (the
+//     controller's record), or bound read-write to a loop device on the
+//     controller's machine (the kernel's word), is refused with
+//     FAILED_PRECONDITION saying so and how to get a kept pool; once
+//     detached it copies.
 //
 // A group snapshot (CreateSnapshotGroup) needs every member as of one
 // instant, not each as of its own. A new pool on btrfs keeps its images in
@@ -70,9 +100,9 @@
 // other way to make a byte copy a point in time. It was not chosen: CSI
 // gives the controller no call to reach that node, a copy may outlast the
 // CO's deadline while every writer on the volume stays blocked, and a
-// controller that dies mid-copy would leave the volume frozen. Refusing is
-// honest where reflinks are missing; the operator guide says to keep pools
-// on a filesystem with reflinks.
+// controller that dies mid-copy would leave the volume frozen. Keeping a
+// filesystem with reflinks for the pool needs none of that: the clone is
+// the instant, on the controller's side alone.
 //
 // A crash-consistent copy of a filesystem may keep acknowledged writes only
 // in its journal. Before a restored or cloned filesystem volume is handed

@@ -61,12 +61,12 @@ func spare(free int64, promised []int64, reserved int64) int64 {
 // freeBytes is what an unprivileged writer could still store in dir.
 // Bavail rather than Bfree: promising volumes the filesystem's root reserve
 // would leave the pool's host without its safety margin.
+// In a kept pool (keptpool.go) it is the lesser of the kept xfs's free
+// space and that of the filesystem under its sparse image: as large as
+// that filesystem, the xfs would promise space other files there took.
 func freeBytes(dir string) (int64, error) {
-	var st unix.Statfs_t
-	if err := unix.Statfs(dir, &st); err != nil {
-		return 0, err
-	}
-	return int64(st.Bavail) * int64(st.Bsize), nil
+	_, free, err := poolSpace(dir)
+	return free, err
 }
 
 // poolSpace is the total size of dir's filesystem and, as freeBytes, what an
@@ -76,7 +76,15 @@ func poolSpace(dir string) (size, free int64, err error) {
 	if err := unix.Statfs(dir, &st); err != nil {
 		return 0, 0, err
 	}
-	return int64(st.Blocks) * int64(st.Bsize), int64(st.Bavail) * int64(st.Bsize), nil
+	size, free = int64(st.Blocks)*int64(st.Bsize), int64(st.Bavail)*int64(st.Bsize)
+	if outer := keptOuter(dir); outer != "" {
+		var ost unix.Statfs_t
+		if err := unix.Statfs(outer, &ost); err != nil {
+			return 0, 0, err
+		}
+		free = min(free, int64(ost.Bavail)*int64(ost.Bsize))
+	}
+	return size, free, nil
 }
 
 // allocatedBytes is the space a file really occupies; an absent file

@@ -177,6 +177,8 @@ func snapshotsWhileWriting(t *testing.T, f *fixture, kind string, reflinks bool)
 		acked int64
 	}
 	var snaps []taken
+	var cloneID volumeid.ID
+	var cloneAcked int64
 	for i := range 3 {
 		acked := w.synced.Load()
 		name := fmt.Sprintf("busy-%d", i)
@@ -195,6 +197,18 @@ func snapshotsWhileWriting(t *testing.T, f *fixture, kind string, reflinks bool)
 		}
 		snaps = append(snaps, taken{*s, acked})
 		w.waitFor(t, 10)
+		if i == 0 {
+			// A clone while written, too: the same single instant.
+			cloneAcked = w.synced.Load()
+			clone := mountSpec(t, "zone-a", "clone", fsType, spec.CapacityBytes)
+			clone.AccessType, clone.FsType = spec.AccessType, spec.FsType
+			clone.Source = &backend.Source{VolumeID: spec.ID.String()}
+			if _, err := f.ctrl.CreateVolume(ctx, clone); err != nil {
+				t.Fatalf("CreateVolume from a volume in use on a reflink pool: %v", err)
+			}
+			cloneID = clone.ID
+			w.waitFor(t, 10)
+		}
 	}
 	w.halt()
 	if w.err != nil {
@@ -250,6 +264,18 @@ func snapshotsWhileWriting(t *testing.T, f *fixture, kind string, reflinks bool)
 		checkRecords(t, filepath.Join(r.StagingPath, "log"), last.acked)
 	}
 	f.unstage(t, r)
+	if cloneID.Zone != "" {
+		f.attach(t, cloneID, writer("n3"))
+		req := f.mountReq(cloneID, "n3", "clone", false)
+		req.AccessType, req.Mode = spec.AccessType, accessmode.SingleNodeWriter
+		r := f.stage(t, req)
+		if kind == "raw" {
+			checkRecords(t, r.Device, cloneAcked)
+		} else {
+			checkRecords(t, filepath.Join(r.StagingPath, "log"), cloneAcked)
+		}
+		f.unstage(t, r)
+	}
 }
 
 // fillImage writes n bytes of random data into the volume's image, so a

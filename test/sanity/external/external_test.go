@@ -62,7 +62,7 @@ func TestCSISanityCommand(t *testing.T) {
 			// its own.
 			driver := testenv.NewController(t, bin, "/proc/self/ns/net", root,
 				"--roles", "controller,node", "--node-id", "sanity-node", "--zone", "zone-a",
-				"--block-pool", "zone-a="+filepath.Join(root, "pool"), "--state-dir", filepath.Join(root, "state"),
+				"--block-pool", "zone-a="+filepath.Join(root, "pool"), "--block-pool-filesystem=direct", "--state-dir", filepath.Join(root, "state"),
 				"--max-volumes-per-node", "16")
 			driver.Start(ctx)
 			t.Cleanup(func() {

@@ -80,7 +80,7 @@ func (e *csiEnv) loopTransport(vm *vmtest.VM) transport {
 	}
 	log := filepath.Join(e.t.TempDir(), "loop-driver.log")
 	runInVM(e.t, e.ctx, vm, log, e.bin, "--roles", "controller,node", "--endpoint", "tcp://0.0.0.0:10002",
-		"--node-id", vm.Name, "--zone", "zone-a", "--block-pool", "zone-a="+pool, "--state-dir", vm.Path("loop-state"), "-v", "1")
+		"--node-id", vm.Name, "--zone", "zone-a", "--block-pool", "zone-a="+pool, "--block-pool-filesystem=direct", "--state-dir", vm.Path("loop-state"), "-v", "1")
 	e.t.Cleanup(func() { killInVM(e.t, context.Background(), vm, log) })
 	conn, err := grpc.NewClient("passthrough:///"+vm.Addr.String()+":10002",
 		grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithContextDialer(e.c.Dialer()))

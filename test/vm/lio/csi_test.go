@@ -82,7 +82,7 @@ func setupCSI(t testing.TB, nodes int, replacement string, pluginArgs ...string)
 	e.inVM("mkdir", "-p", e.pool)
 	dialer := e.c.Dialer()
 	e.role = &targetRole{e: e.env, log: filepath.Join(dir, "target.log"),
-		args: []string{bin, "--roles", "target", "--block-pool", "zone-a=" + e.pool,
+		args: []string{bin, "--roles", "target", "--block-pool", "zone-a=" + e.pool, "--block-pool-filesystem=direct",
 			"--target-endpoint", "tcp://" + api, "--tls-cert", server.Cert, "--tls-key", server.Key, "--tls-ca", server.CA,
 			"--iscsi-portal", e.portal, "--iscsi-iqn-prefix", prefix, "--iscsi-chap-dir", chap, "-v", "2"},
 		api: remote.Target{Address: api, TLS: remote.TLSFiles(client),

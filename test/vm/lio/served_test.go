@@ -133,7 +133,7 @@ func TestTargetRoleServesAttachmentsOverISCSI(t *testing.T) {
 	pool := e.vm.Path("served-pool")
 	e.inVM("mkdir", "-p", pool)
 	role := &targetRole{e: e, log: filepath.Join(t.TempDir(), "target.log"),
-		args: []string{bin, "--roles", "target", "--block-pool", "zone-a=" + pool,
+		args: []string{bin, "--roles", "target", "--block-pool", "zone-a=" + pool, "--block-pool-filesystem=direct",
 			"--target-endpoint", "tcp://" + api, "--tls-cert", server.Cert, "--tls-key", server.Key, "--tls-ca", server.CA,
 			"--iscsi-portal", e.portal, "--iscsi-iqn-prefix", prefix, "--iscsi-chap-dir", chap, "-v", "2"},
 		api: remote.Target{Address: api, TLS: remote.TLSFiles(authority.Client("controller")),

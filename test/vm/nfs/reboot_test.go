@@ -50,8 +50,8 @@ func TestNodeVMRebootKeepsVolumes(t *testing.T) {
 	// The pool is a host directory; the VM reaches it at the same path
 	// through its 9p root, as nodes reach a zone's shared pool.
 	pool := filepath.Join(t.TempDir(), "pool")
-	ctrl := testenv.StartNFSController(ctx, t, bin, c.ServerNS, c.Server.String(), "--block-pool", "zone-a="+pool)
-	pluginArgs := []string{"--block-pool", "zone-a=" + pool}
+	ctrl := testenv.StartNFSController(ctx, t, bin, c.ServerNS, c.Server.String(), "--block-pool", "zone-a="+pool, "--block-pool-filesystem=direct")
+	pluginArgs := []string{"--block-pool", "zone-a=" + pool, "--block-pool-filesystem=direct"}
 	if err := vm.StartPlugin(ctx, pluginArgs...); err != nil {
 		t.Fatal(err)
 	}

@@ -345,6 +345,36 @@ func DevicesOf(image string) ([]string, error) {
 	return current, err
 }
 
+// DevicesOfFile lists the loop devices bound to the very file image is now
+// (same filesystem and inode), by whatever path the process that bound it
+// reached the file. The kernel reports a backing file by the path its
+// binder saw: one in another mount namespace (a pod whose hostPath shows
+// the directory elsewhere) or through a bind mount names the same file by
+// another path, which DevicesOf does not recognise. Only the devices whose
+// backing file has image's base name are opened to compare inodes, so no
+// other image's device is held open even for a moment.
+func DevicesOfFile(image string) ([]string, error) {
+	all, err := List()
+	if err != nil {
+		return nil, err
+	}
+	base := filepath.Base(image)
+	var out []string
+	for _, a := range all {
+		if filepath.Base(strings.TrimSuffix(a.BackingFile, DeletedSuffix)) != base {
+			continue
+		}
+		same, err := BoundTo(a.Device, image)
+		if err != nil {
+			return nil, err
+		}
+		if same {
+			out = append(out, a.Device)
+		}
+	}
+	return out, nil
+}
+
 // Bound lists the loop devices bound to a file of image's name: current
 // to the very file there now (same inode, BoundTo), stale to an earlier
 // file of that name since deleted or replaced, a leftover to detach and
@@ -673,4 +703,54 @@ func Unused(image string) ([]string, error) {
 		}
 	}
 	return out, nil
+}
+
+// Hold opens dev and checks, through that open file, that dev is bound to
+// the very file image is now (same filesystem and inode). While the file
+// stays open the kernel cannot detach dev, not even one marked to detach
+// itself at its last close (AutoClear): so what the caller mounts from dev
+// meanwhile is image, and never a file someone bound to a freed device
+// since it was looked up. The caller closes the file.
+func Hold(dev, image string) (*os.File, error) {
+	if !ValidDevice(dev) {
+		return nil, fmt.Errorf("%q is not a loop device", dev)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(image, &st); err != nil {
+		return nil, fmt.Errorf("stat %s: %w", image, err)
+	}
+	f, err := os.OpenFile(dev, os.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("opening %s: %w", dev, err)
+	}
+	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+	if err == nil && (info.Inode != st.Ino || !sameDevice(info.Device, st.Dev)) {
+		err = fmt.Errorf("%s is bound to another file than %s", dev, image)
+	} else if err != nil {
+		err = fmt.Errorf("LOOP_GET_STATUS64 on %s: %w", dev, err)
+	}
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
+}
+
+// AutoClear marks the device open as f to detach itself when its last
+// opener closes it (LO_FLAGS_AUTOCLEAR, as mount -o loop does): a device
+// that lives exactly as long as some mount of its filesystem does, in any
+// mount namespace.
+func AutoClear(f *os.File) error {
+	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+	if err != nil {
+		return fmt.Errorf("LOOP_GET_STATUS64 on %s: %w", f.Name(), err)
+	}
+	if info.Flags&unix.LO_FLAGS_AUTOCLEAR != 0 {
+		return nil
+	}
+	info.Flags |= unix.LO_FLAGS_AUTOCLEAR
+	if err := unix.IoctlLoopSetStatus64(int(f.Fd()), info); err != nil {
+		return fmt.Errorf("LOOP_SET_STATUS64 (autoclear) on %s: %w", f.Name(), err)
+	}
+	return nil
 }

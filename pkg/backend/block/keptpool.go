@@ -1,0 +1,254 @@
+package block
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"os"
+	"path/filepath"
+	"slices"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"github.com/modeguard/modeguard/pkg/keptfs"
+)
+
+// How a --block-pool directory becomes the directory volumes live in (the
+// pool root), chosen per process with --block-pool-filesystem.
+const (
+	// PoolFilesystemAuto keeps an xfs with reflinks in a pool directory
+	// whose own filesystem has none (ext4, tmpfs, xfs made with
+	// reflink=0), so that a snapshot or clone of a volume in use is one
+	// FICLONE there too. A directory that has reflinks, that already
+	// holds a pool of its own, or whose filesystem is too small for xfs
+	// stays the pool root itself.
+	PoolFilesystemAuto = "auto"
+	// PoolFilesystemDirect uses every pool directory as the pool root.
+	PoolFilesystemDirect = "direct"
+)
+
+const (
+	// KeptImageName is the sparse xfs image a kept pool lives in, in the
+	// pool directory.
+	KeptImageName = "kept-pool.img"
+	// KeptMountDir is where the kept image is mounted, in the pool
+	// directory: the pool root of a kept pool.
+	KeptMountDir = "kept"
+	keptLockName = ".kept-pool.lock"
+)
+
+// KeptPools is what KeepPools made of the pool directories.
+type KeptPools struct {
+	// Roots are the pool roots by zone, for NewController, NewNode and
+	// NewNetworkNode.
+	Roots map[string]string
+	kept  []*keptfs.FS
+}
+
+// Release gives up this process's use of the kept filesystems (clean
+// shutdown, tests): the last process of the machine to use one unmounts
+// it, and its loop device then detaches itself. Safe to call again.
+func (k *KeptPools) Release() error {
+	var errs []error
+	for _, fs := range k.kept {
+		errs = append(errs, fs.Release())
+	}
+	return errors.Join(errs...)
+}
+
+// KeepPools turns the pool directories (zone -> directory, as
+// --block-pool gives them) into pool roots, the same way in every process
+// that uses them (controller, storage target, node plugin), so that they
+// all find the same volumes:
+//
+//   - direct: every directory is its own root, unless it holds a kept
+//     image: then the zone's volumes are in there, and using the
+//     directory instead would hide them, so it is refused.
+//   - auto: a directory that holds a kept image (KeptImageName) gets it
+//     mounted at KeptMountDir (made by whichever process came first,
+//     reused by the others: see package keptfs), which is then the root.
+//     Otherwise a directory whose filesystem has reflinks, that already
+//     holds volumes or snapshots (a pool made before, kept direct so they
+//     stay where they are), or whose filesystem is smaller than xfs's
+//     minimum, is its own root; any other gets a new kept image as large
+//     as its filesystem (sparse: it costs what is written to it).
+//
+// What each zone got is logged once. A kept image that cannot be mounted
+// is an error: the process must not serve the zone from the directory
+// underneath, where its volumes are not.
+func KeepPools(ctx context.Context, pools map[string]string, filesystem string) (*KeptPools, error) {
+	if filesystem != PoolFilesystemAuto && filesystem != PoolFilesystemDirect {
+		return nil, fmt.Errorf("block pool filesystem %q: want %s or %s", filesystem, PoolFilesystemAuto, PoolFilesystemDirect)
+	}
+	k := &KeptPools{Roots: map[string]string{}}
+	for _, zone := range slices.Sorted(maps.Keys(pools)) {
+		root, fs, err := keepPool(ctx, zone, pools[zone], filesystem)
+		if err != nil {
+			if rerr := k.Release(); rerr != nil {
+				klog.ErrorS(rerr, "Releasing the kept pools after a failed start")
+			}
+			return nil, fmt.Errorf("block pool of zone %s: %w", zone, err)
+		}
+		k.Roots[zone] = root
+		if fs != nil {
+			k.kept = append(k.kept, fs)
+		}
+	}
+	return k, nil
+}
+
+// keepPool resolves one zone's pool directory (KeepPools).
+func keepPool(ctx context.Context, zone, dir, filesystem string) (string, *keptfs.FS, error) {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return "", nil, err
+	}
+	// Made if missing, as the controller's lock makes it: this runs
+	// before that lock (a node role in the same process needs the root
+	// first), and a fresh directory is where a kept pool starts.
+	if err := os.MkdirAll(abs, 0o700); err != nil {
+		return "", nil, err
+	}
+	real, err := filepath.EvalSymlinks(abs)
+	if err != nil {
+		return "", nil, err
+	}
+	if fi, err := os.Stat(real); err != nil {
+		return "", nil, err
+	} else if !fi.IsDir() {
+		return "", nil, fmt.Errorf("%s is not a directory", dir)
+	}
+	direct := func(why string) (string, *keptfs.FS, error) {
+		klog.InfoS("Block pool: the directory is the pool root", "zone", zone, "dir", real, "why", why)
+		return real, nil, nil
+	}
+	image := filepath.Join(real, KeptImageName)
+	_, err = os.Lstat(image)
+	hasImage := err == nil
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return "", nil, err
+	}
+	if filesystem == PoolFilesystemDirect {
+		if hasImage {
+			return "", nil, fmt.Errorf("%s holds the kept filesystem of the pool (%s), where the zone's volumes are; "+
+				"with --block-pool-filesystem=%s they would not be found: start with --block-pool-filesystem=%s",
+				real, KeptImageName, PoolFilesystemDirect, PoolFilesystemAuto)
+		}
+		return direct("--block-pool-filesystem=" + PoolFilesystemDirect)
+	}
+	var size int64
+	if !hasImage {
+		reflinks, err := hasReflinks(real)
+		if err != nil {
+			return "", nil, err
+		}
+		if reflinks {
+			return direct("its filesystem has reflinks: a snapshot of a volume in use is one clone")
+		}
+		if held, err := holdsPool(real); err != nil {
+			return "", nil, err
+		} else if held {
+			return direct("it holds volumes or snapshots of a pool made on it before: they stay there, " +
+				"and a snapshot or clone of a volume attached read-write is refused (no reflinks)")
+		}
+		var st unix.Statfs_t
+		if err := unix.Statfs(real, &st); err != nil {
+			return "", nil, fmt.Errorf("statfs %s: %w", real, err)
+		}
+		size = int64(st.Blocks) * int64(st.Bsize)
+		if size < keptfs.MinXFSBytes {
+			return direct(fmt.Sprintf("its filesystem has no reflinks, and at %d bytes it is smaller than the %d an xfs needs: "+
+				"a snapshot or clone of a volume attached read-write is refused", size, keptfs.MinXFSBytes))
+		}
+	}
+	fs, err := keptfs.Keep(ctx, keptfs.Spec{
+		Dir: real, Image: KeptImageName, MountDir: KeptMountDir, Lock: keptLockName,
+		Size: size, MkfsArgs: []string{"-m", "reflink=1"}, Mount: mountKept,
+		Shared: true, What: "kept block pool",
+	})
+	if err != nil {
+		if hasImage {
+			return "", nil, fmt.Errorf("%s holds the kept filesystem of the pool (%s), where the zone's volumes are, and it cannot be mounted at %s: %w",
+				real, KeptImageName, filepath.Join(real, KeptMountDir), err)
+		}
+		return "", nil, fmt.Errorf("keeping an xfs with reflinks in %s: %w", real, err)
+	}
+	klog.InfoS("Block pool: an xfs with reflinks kept in the directory is the pool root", "zone", zone, "dir", real,
+		"root", fs.Root, "device", fs.Device, "formatted", fs.Formatted, "alreadyMounted", fs.Reused)
+	return fs.Root, fs, nil
+}
+
+// mountKept mounts a kept pool's device. discard: a volume or snapshot
+// deleted in the pool punches its blocks out of the sparse image, so the
+// directory underneath gets the space back. nodev, nosuid: the pool holds
+// images, never device nodes or programs.
+func mountKept(dev, mnt string) error {
+	if err := unix.Mount(dev, mnt, "xfs", unix.MS_NODEV|unix.MS_NOSUID, "discard"); err != nil {
+		return fmt.Errorf("mount -t xfs -o discard %s %s: %w (the kernel log, dmesg, tells why)", dev, mnt, err)
+	}
+	return nil
+}
+
+// hasReflinks tells whether dir's filesystem clones files, by cloning one
+// (FICLONE) between two temporary files in it.
+func hasReflinks(dir string) (bool, error) {
+	src, err := os.CreateTemp(dir, ".reflink-probe"+tempMarker)
+	if err != nil {
+		return false, err
+	}
+	defer os.Remove(src.Name())
+	_, err = src.Write(make([]byte, 4096))
+	if cerr := src.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return false, err
+	}
+	dst, err := os.CreateTemp(dir, ".reflink-probe"+tempMarker)
+	if err != nil {
+		return false, err
+	}
+	defer os.Remove(dst.Name())
+	dst.Close()
+	err = cloneImage(src.Name(), dst.Name())
+	if errors.Is(err, errNoReflink) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("probing %s for reflinks: %w", dir, err)
+	}
+	return true, nil
+}
+
+// holdsPool tells whether dir already holds a pool's volumes or snapshots.
+func holdsPool(dir string) (bool, error) {
+	for _, sub := range []string{volumesDir, snapshotsDir} {
+		entries, err := os.ReadDir(filepath.Join(dir, sub))
+		if errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return false, err
+		}
+		if len(entries) > 0 {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
+// keptOuter is the directory a kept pool's image lies in when root is a
+// kept pool's root, else "": the space a kept pool promises is that of
+// both filesystems, the sparse image's and the one under it.
+func keptOuter(root string) string {
+	if filepath.Base(root) != KeptMountDir {
+		return ""
+	}
+	outer := filepath.Dir(root)
+	if _, err := os.Lstat(filepath.Join(outer, KeptImageName)); err != nil {
+		return ""
+	}
+	return outer
+}
