@@ -24,8 +24,10 @@ type poolFilesystem struct {
 }
 
 // poolFilesystems are the ones the operator guide names: what a default
-// install has (ext4), what Debian's tmpfs and older xfsprogs give, and xfs
-// with reflinks as the reference.
+// install has (ext4), tmpfs and xfs made without reflinks, on each of which
+// the driver keeps an xfs with reflinks for the pool
+// (--block-pool-filesystem=auto, the default), and xfs with reflinks and
+// btrfs, which are pools as they are.
 var poolFilesystems = []poolFilesystem{
 	{"ext4", imageFilesystem("mkfs.ext4", "-F", "-q")},
 	{"tmpfs", func(_, mnt string) error {
@@ -34,6 +36,7 @@ var poolFilesystems = []poolFilesystem{
 	}},
 	{"xfs reflink=0", imageFilesystem("mkfs.xfs", "-f", "-q", "-m", "reflink=0")},
 	{"xfs reflink=1", imageFilesystem("mkfs.xfs", "-f", "-q", "-m", "reflink=1")},
+	{"btrfs", imageFilesystem("mkfs.btrfs", "-f", "-q")},
 }
 
 // imageFilesystem formats a sparse 3 GiB image in dir and mounts it at mnt.
