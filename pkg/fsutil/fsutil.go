@@ -35,7 +35,7 @@ func WriteFileAtomic(path string, data []byte, perm os.FileMode) error {
 		tmp.Close()
 		return err
 	}
-	if err := tmp.Sync(); err != nil {
+	if err := SyncFile(tmp); err != nil {
 		tmp.Close()
 		return err
 	}
@@ -57,7 +57,13 @@ func WriteFileAtomic(path string, data []byte, perm os.FileMode) error {
 // before the caller's change. Where many volumes are created or deleted at
 // once, this turns one directory fsync per call, each a flush of the
 // disk's cache, into a few.
+//
+// Below a root registered with ShareSyncsUnder the sync is that root's
+// shared syncfs.
 func SyncDir(dir string) error {
+	if r := sharedRootOf(dir); r != nil {
+		return r.syncShared()
+	}
 	g := dirSyncs.enter(dir)
 	defer dirSyncs.leave(dir, g)
 	return g.sync(func() error { return fsyncDir(dir) })

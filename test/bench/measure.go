@@ -67,6 +67,18 @@ func (b *bench) startBlockPair(ctx context.Context, name string) (*blockPair, er
 	return b.startBlockPairVia(ctx, name, false)
 }
 
+// startDefaultBlockPair is startBlockPair with the pool as a default
+// install has it (--block-pool-filesystem=auto): in the work directory,
+// whose filesystem has no reflinks, the driver keeps an xfs with reflinks.
+func (b *bench) startDefaultBlockPair(ctx context.Context, name string) (*blockPair, error) {
+	dir := b.dir(name)
+	pool := filepath.Join(dir, "pool")
+	if err := os.MkdirAll(pool, 0o700); err != nil {
+		return nil, err
+	}
+	return b.startBlockPairIn(ctx, dir, pool)
+}
+
 // startBlockPairVia is startBlockPair with, when viaTarget, the pool owned
 // by a storage target that the controller reaches over a unix socket.
 func (b *bench) startBlockPairVia(ctx context.Context, name string, viaTarget bool) (*blockPair, error) {
@@ -352,10 +364,29 @@ const scaleVolumeSize = 1 << 20
 // concurrency: -concurrent CreateVolume calls at once, then as many
 // DeleteVolume calls, against the same calls one at a time.
 func concurrency(ctx context.Context, b *bench) ([]row, error) {
-	p, err := b.startBlockPair(ctx, "concurrency")
-	if err != nil {
-		return nil, err
+	var rows []row
+	for _, pool := range []struct {
+		name  string
+		start func(context.Context, string) (*blockPair, error)
+	}{
+		{"pool directory on the disk", b.startBlockPair},
+		{"default pool (kept xfs)", b.startDefaultBlockPair},
+	} {
+		p, err := pool.start(ctx, "concurrency")
+		if err != nil {
+			return rows, err
+		}
+		r, err := concurrencyOn(ctx, b, p, pool.name)
+		rows = append(rows, r...)
+		if err != nil {
+			return rows, err
+		}
+		b.cleanup()
 	}
+	return rows, nil
+}
+
+func concurrencyOn(ctx context.Context, b *bench, p *blockPair, where string) ([]row, error) {
 	n := b.opts.concurrent
 	var rows []row
 	for _, kind := range []struct{ name, fs string }{{"raw block", ""}, {"ext4", "ext4"}} {
@@ -378,8 +409,8 @@ func concurrency(ctx context.Context, b *bench) ([]row, error) {
 		pm, _ := stats(parS)
 		slicesSortFloat(ratios)
 		rows = append(rows,
-			durationRow(fmt.Sprintf("%d creates + %d deletes (256 MiB), one at a time, %s", n, n, kind.name), seqS, "", fmt.Sprintf("%.0f calls/s", float64(2*n)/sm.Seconds())),
-			durationRow(fmt.Sprintf("%d creates + %d deletes (256 MiB), all in flight, %s", n, n, kind.name), parS, "", fmt.Sprintf("%.0f calls/s, no errors", float64(2*n)/pm.Seconds())),
+			durationRow(fmt.Sprintf("%d creates + %d deletes (256 MiB), one at a time, %s, %s", n, n, kind.name, where), seqS, "", fmt.Sprintf("%.0f calls/s", float64(2*n)/sm.Seconds())),
+			durationRow(fmt.Sprintf("%d creates + %d deletes (256 MiB), all in flight, %s, %s", n, n, kind.name, where), parS, "", fmt.Sprintf("%.0f calls/s, no errors", float64(2*n)/pm.Seconds())),
 			row{name: "  throughput gain", value: fmt.Sprintf("%.2fx", ratios[len(ratios)/2]),
 				spread: fmt.Sprintf("%.2fx..%.2fx", ratios[0], ratios[len(ratios)-1]), target: ">= 4x"})
 	}

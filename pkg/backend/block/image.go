@@ -12,6 +12,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
 	"github.com/modeguard/modeguard/pkg/command"
+	"github.com/modeguard/modeguard/pkg/fsutil"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -147,7 +148,7 @@ func growAndSync(path string, size int64) error {
 		err = f.Chmod(0o600)
 	}
 	if err == nil {
-		err = f.Sync()
+		err = fsutil.SyncFile(f)
 	}
 	if cerr := f.Close(); err == nil {
 		err = cerr
@@ -214,7 +215,7 @@ func cloneImage(src, dst string) error {
 		if err := unix.IoctlFileClone(int(out.Fd()), int(in.Fd())); err != nil {
 			return err
 		}
-		return out.Sync()
+		return fsutil.SyncFile(out)
 	})
 	switch {
 	case errors.Is(err, unix.EOPNOTSUPP), errors.Is(err, unix.ENOTTY), errors.Is(err, unix.EXDEV),

@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/pkg/keptfs"
 )
 
@@ -45,6 +46,8 @@ type KeptPools struct {
 	// NewNetworkNode.
 	Roots map[string]string
 	kept  []*keptfs.FS
+	// shared are the roots whose syncs are shared (shareSyncs).
+	shared []string
 }
 
 // Release gives up this process's use of the kept filesystems (clean
@@ -52,6 +55,10 @@ type KeptPools struct {
 // it, and its loop device then detaches itself. Safe to call again.
 func (k *KeptPools) Release() error {
 	var errs []error
+	for _, root := range k.shared {
+		errs = append(errs, fsutil.UnshareSyncsUnder(root))
+	}
+	k.shared = nil
 	for _, fs := range k.kept {
 		errs = append(errs, fs.Release())
 	}
@@ -95,8 +102,41 @@ func KeepPools(ctx context.Context, pools map[string]string, filesystem string) 
 		if fs != nil {
 			k.kept = append(k.kept, fs)
 		}
+		if err := k.shareSyncs(zone, root); err != nil {
+			if rerr := k.Release(); rerr != nil {
+				klog.ErrorS(rerr, "Releasing the kept pools after a failed start")
+			}
+			return nil, fmt.Errorf("block pool of zone %s: %w", zone, err)
+		}
 	}
 	return k, nil
+}
+
+// shareSyncs lets the creations and deletions under a pool root that is a
+// filesystem of its own (a kept pool, a disk mounted for the pool) share
+// one syncfs each time, rather than flush the disk for every file and
+// directory they make durable (fsutil.ShareSyncsUnder): where many are in
+// flight at once, that is what their time goes to. A root on a host's
+// shared filesystem keeps per-file syncs, since a syncfs there would write
+// back everything else on it; a tmpfs has nothing to write back.
+func (k *KeptPools) shareSyncs(zone, root string) error {
+	own, err := fsutil.IsFilesystemRoot(root)
+	if err != nil || !own {
+		return err
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(root, &st); err != nil {
+		return fmt.Errorf("statfs %s: %w", root, err)
+	}
+	if st.Type == unix.TMPFS_MAGIC {
+		return nil
+	}
+	if err := fsutil.ShareSyncsUnder(root); err != nil {
+		return err
+	}
+	k.shared = append(k.shared, root)
+	klog.V(2).InfoS("Block pool: creations share their syncs (the pool is a filesystem of its own)", "zone", zone, "root", root)
+	return nil
 }
 
 // keepPool resolves one zone's pool directory (KeepPools).

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
+	"github.com/modeguard/modeguard/pkg/fsutil"
 	"github.com/modeguard/modeguard/test/testenv"
 
 	mtab "github.com/modeguard/modeguard/pkg/mounts"
@@ -593,5 +594,45 @@ func TestKeptPoolGivesDeletedSpaceBack(t *testing.T) {
 			t.Fatalf("after deleting 128 MiB the image still has %d bytes allocated (%d before writing, %d after)", now, before, written)
 		}
 		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// TestSyncsSharedOnlyOnAFilesystemOfItsOwn: a pool root that is a
+// filesystem of its own with a disk under it (a kept pool, an xfs mounted
+// at the pool directory) has its creations' syncs shared as one syncfs; a
+// directory within a larger filesystem, and a tmpfs, keep per-file syncs;
+// a release lets go of the roots.
+func TestSyncsSharedOnlyOnAFilesystemOfItsOwn(t *testing.T) {
+	requireRoot(t)
+	kept := outerDir(t, "ext4")
+	ownXFS := testenv.ReflinkXFS(t, xfsMinSize)
+	within := filepath.Join(testenv.ReflinkXFS(t, xfsMinSize), "pool")
+	if err := os.Mkdir(within, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	tmpfs := testenv.Tmpfs(t, "64m")
+	k, err := KeepPools(context.Background(), map[string]string{"zone-a": kept, "zone-b": ownXFS, "zone-c": within, "zone-d": tmpfs}, PoolFilesystemAuto)
+	if err != nil {
+		t.Fatal(err)
+	}
+	released := false
+	t.Cleanup(func() {
+		if !released {
+			_ = k.Release()
+		}
+	})
+	for zone, want := range map[string]bool{"zone-a": true, "zone-b": true, "zone-c": false, "zone-d": false} {
+		if got := fsutil.SyncsShared(filepath.Join(k.Roots[zone], volumesDir, "x.img")); got != want {
+			t.Errorf("zone %s (root %s): syncs shared %v, want %v", zone, k.Roots[zone], got, want)
+		}
+	}
+	if err := k.Release(); err != nil {
+		t.Fatal(err)
+	}
+	released = true
+	for zone, root := range k.Roots {
+		if fsutil.SyncsShared(root) {
+			t.Errorf("zone %s: syncs still shared after the release", zone)
+		}
 	}
 }
