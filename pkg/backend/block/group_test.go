@@ -6,10 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
@@ -17,64 +14,6 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 )
-
-// pairWriter writes record n to a, fsyncs it, then record n to b and fsyncs
-// it, as a database writes its log before its data: b never holds a record
-// that a has not acknowledged. acked counts the records acknowledged on
-// both.
-type pairWriter struct {
-	acked atomic.Int64
-	stop  chan struct{}
-	done  sync.WaitGroup
-	err   error
-}
-
-func startPairWriter(t *testing.T, a, b *os.File) *pairWriter {
-	w := &pairWriter{stop: make(chan struct{})}
-	w.done.Add(1)
-	go func() {
-		defer w.done.Done()
-		for i := int64(0); ; i++ {
-			select {
-			case <-w.stop:
-				return
-			default:
-			}
-			for _, f := range []*os.File{a, b} {
-				if _, err := f.WriteAt(record(i), i*recordSize); err != nil {
-					w.err = err
-					return
-				}
-				if err := f.Sync(); err != nil {
-					w.err = err
-					return
-				}
-			}
-			w.acked.Store(i + 1)
-		}
-	}()
-	t.Cleanup(w.halt)
-	return w
-}
-
-func (w *pairWriter) waitFor(t *testing.T, n int64) {
-	t.Helper()
-	want := w.acked.Load() + n
-	for deadline := time.Now().Add(time.Minute); w.acked.Load() < want; time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("the writer acknowledged %d records in a minute, want %d (error: %v)", w.acked.Load(), want, w.err)
-		}
-	}
-}
-
-func (w *pairWriter) halt() {
-	select {
-	case <-w.stop:
-	default:
-		close(w.stop)
-	}
-	w.done.Wait()
-}
 
 // recordsIn counts the whole records at the start of path and fails if a
 // record follows a gap: the file is a prefix of the writer's records.
@@ -173,7 +112,7 @@ func groupsWhileWriting(t *testing.T, f *fixture, atOnce bool) {
 		t.Cleanup(func() { out.Close() })
 		files, specs = append(files, out), append(specs, spec)
 	}
-	w := startPairWriter(t, files[0], files[1])
+	w := startSyncedWriter(t, files[0], files[1]) // the log, then the data
 	w.waitFor(t, 20)
 
 	type taken struct {
@@ -187,7 +126,7 @@ func groupsWhileWriting(t *testing.T, f *fixture, atOnce bool) {
 			name := fmt.Sprintf("g%d-%s", i, spec.Name)
 			members = append(members, backend.GroupMember{ID: snapID(t, "zone-a", name), Name: name, Source: spec.ID})
 		}
-		acked := w.acked.Load()
+		acked := w.synced.Load()
 		got, err := f.ctrl.CreateSnapshotGroup(ctx, members)
 		if !atOnce {
 			wantCode(t, err, codes.FailedPrecondition)

@@ -180,7 +180,7 @@ func keepPool(ctx context.Context, zone, dir, filesystem string) (string, *keptf
 	}
 	var size int64
 	if !hasImage {
-		reflinks, err := hasReflinks(real)
+		reflinks, err := fsutil.HasReflinks(real)
 		if err != nil {
 			return "", nil, err
 		}
@@ -229,37 +229,6 @@ func mountKept(dev, mnt string) error {
 		return fmt.Errorf("mount -t xfs -o discard %s %s: %w (the kernel log, dmesg, tells why)", dev, mnt, err)
 	}
 	return nil
-}
-
-// hasReflinks tells whether dir's filesystem clones files, by cloning one
-// (FICLONE) between two temporary files in it.
-func hasReflinks(dir string) (bool, error) {
-	src, err := os.CreateTemp(dir, ".reflink-probe"+tempMarker)
-	if err != nil {
-		return false, err
-	}
-	defer os.Remove(src.Name())
-	_, err = src.Write(make([]byte, 4096))
-	if cerr := src.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return false, err
-	}
-	dst, err := os.CreateTemp(dir, ".reflink-probe"+tempMarker)
-	if err != nil {
-		return false, err
-	}
-	defer os.Remove(dst.Name())
-	dst.Close()
-	err = cloneImage(src.Name(), dst.Name())
-	if errors.Is(err, errNoReflink) {
-		return false, nil
-	}
-	if err != nil {
-		return false, fmt.Errorf("probing %s for reflinks: %w", dir, err)
-	}
-	return true, nil
 }
 
 // holdsPool tells whether dir already holds a pool's volumes or snapshots.

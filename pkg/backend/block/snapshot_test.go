@@ -31,9 +31,11 @@ func record(i int64) []byte {
 	return b
 }
 
-// syncedWriter writes record after record to w, each fsync'd before the
-// next, and counts the records acknowledged (write and fsync returned): what
-// a database would have told its clients is durable.
+// syncedWriter writes record after record to its files, each fsync'd
+// before the next, and counts the records acknowledged (write and fsync
+// returned): what a database would have told its clients is durable. With
+// several files it writes record i to each in turn, as a database writes
+// its log before its data, and a record counts once it is in all of them.
 type syncedWriter struct {
 	synced atomic.Int64
 	stop   chan struct{}
@@ -41,7 +43,7 @@ type syncedWriter struct {
 	err    error
 }
 
-func startSyncedWriter(t *testing.T, f *os.File) *syncedWriter {
+func startSyncedWriter(t *testing.T, files ...*os.File) *syncedWriter {
 	t.Helper()
 	w := &syncedWriter{stop: make(chan struct{})}
 	w.done.Add(1)
@@ -53,13 +55,15 @@ func startSyncedWriter(t *testing.T, f *os.File) *syncedWriter {
 				return
 			default:
 			}
-			if _, err := f.WriteAt(record(i), i*recordSize); err != nil {
-				w.err = err
-				return
-			}
-			if err := f.Sync(); err != nil {
-				w.err = err
-				return
+			for _, f := range files {
+				if _, err := f.WriteAt(record(i), i*recordSize); err != nil {
+					w.err = err
+					return
+				}
+				if err := f.Sync(); err != nil {
+					w.err = err
+					return
+				}
 			}
 			w.synced.Store(i + 1)
 		}

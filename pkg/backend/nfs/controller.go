@@ -900,16 +900,11 @@ func (c *Controller) copyable(vol *backend.Volume) (inUse bool, err error) {
 	if c.cfg.Storage.CopiesAtOnePoint() {
 		return false, nil
 	}
-	var writer string
-	for _, a := range vol.Attachments {
-		if !a.ReadOnly {
-			writer = a.Node.Name
-			break
-		}
-	}
-	if writer == "" {
+	writers := backend.Writers(vol)
+	if len(writers) == 0 {
 		return false, nil
 	}
+	writer := writers[0]
 	pc, ok := c.cfg.Storage.(PausedCopier)
 	var why string
 	switch {

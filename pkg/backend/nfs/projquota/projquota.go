@@ -35,6 +35,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/modeguard/modeguard/pkg/command"
+	"github.com/modeguard/modeguard/pkg/fsutil"
 
 	mtab "github.com/modeguard/modeguard/pkg/mounts"
 )
@@ -510,32 +511,9 @@ func (p *Pool) Reflinks() (bool, error) {
 }
 
 func probeReflink(dir string) (bool, error) {
-	open := func() (*os.File, error) {
-		fd, err := unix.Open(dir, unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
-		if err != nil {
-			return nil, fmt.Errorf("projquota: a temporary file in %s: %w", dir, err)
-		}
-		return os.NewFile(uintptr(fd), "reflink-probe"), nil
-	}
-	src, err := open()
+	ok, err := fsutil.HasReflinks(dir)
 	if err != nil {
-		return false, err
+		return false, fmt.Errorf("projquota: %w", err)
 	}
-	defer src.Close()
-	if _, err := src.Write(make([]byte, 4096)); err != nil {
-		return false, fmt.Errorf("projquota: writing a temporary file in %s: %w", dir, err)
-	}
-	dst, err := open()
-	if err != nil {
-		return false, err
-	}
-	defer dst.Close()
-	switch err := unix.IoctlFileClone(int(dst.Fd()), int(src.Fd())); {
-	case err == nil:
-		return true, nil
-	case errors.Is(err, unix.EOPNOTSUPP), errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOTTY):
-		return false, nil
-	default:
-		return false, fmt.Errorf("projquota: cloning a file in %s: %w", dir, err)
-	}
+	return ok, nil
 }
