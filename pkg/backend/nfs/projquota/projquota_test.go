@@ -679,41 +679,8 @@ func countMounts(t *testing.T, mnt string) int {
 
 func TestOpenRefusesXFSWithoutProjectQuota(t *testing.T) {
 	needRoot(t)
-	ctx := context.Background()
-	dir := t.TempDir()
-	image := filepath.Join(dir, "plain.img")
-	if err := os.WriteFile(image, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(image, 512*MiB); err != nil {
-		t.Fatal(err)
-	}
-	if out, err := exec.Command("mkfs.xfs", "-q", image).CombinedOutput(); err != nil {
-		t.Fatalf("mkfs.xfs: %v: %s", err, out)
-	}
-	dev, err := loop.Attach(ctx, image, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	mnt := filepath.Join(dir, "mnt")
-	if err := os.Mkdir(mnt, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if _, err := loop.DetachIfBackedBy(context.Background(), dev.Path, image); err != nil {
-			t.Error(err)
-		}
-		checkNothingLeft(t, dir)
-	})
-	if err := unix.Mount(dev.Path, mnt, "xfs", 0, ""); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := unix.Unmount(mnt, 0); err != nil {
-			t.Error(err)
-		}
-	})
-	_, err = Open(mnt)
+	mnt := mountPlainXFS(t)
+	_, err := Open(mnt)
 	if err == nil {
 		t.Fatal("Open accepted xfs mounted without prjquota")
 	}
@@ -795,7 +762,6 @@ func TestKernelSupportsQuotaAgreesWithMount(t *testing.T) {
 // without xfs quota support too.
 func TestReflinkProbe(t *testing.T) {
 	needRoot(t)
-	ctx := context.Background()
 	for _, tc := range []struct {
 		name string
 		mkfs []string
@@ -805,39 +771,7 @@ func TestReflinkProbe(t *testing.T) {
 		{"reflink=0", []string{"-m", "reflink=0"}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			dir := t.TempDir()
-			image := filepath.Join(dir, "probe.img")
-			if err := os.WriteFile(image, nil, 0o600); err != nil {
-				t.Fatal(err)
-			}
-			if err := os.Truncate(image, 512*MiB); err != nil {
-				t.Fatal(err)
-			}
-			if out, err := exec.Command("mkfs.xfs", append(append([]string{"-q"}, tc.mkfs...), image)...).CombinedOutput(); err != nil {
-				t.Fatalf("mkfs.xfs: %v: %s", err, out)
-			}
-			dev, err := loop.Attach(ctx, image, false)
-			if err != nil {
-				t.Fatal(err)
-			}
-			mnt := filepath.Join(dir, "mnt")
-			if err := os.Mkdir(mnt, 0o755); err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				if _, err := loop.DetachIfBackedBy(context.Background(), dev.Path, image); err != nil {
-					t.Error(err)
-				}
-				checkNothingLeft(t, dir)
-			})
-			if err := unix.Mount(dev.Path, mnt, "xfs", 0, ""); err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				if err := unix.Unmount(mnt, 0); err != nil {
-					t.Error(err)
-				}
-			})
+			mnt := mountPlainXFS(t, tc.mkfs...)
 			got, err := probeReflink(mnt)
 			if err != nil || got != tc.want {
 				t.Errorf("probe on xfs made with %q: %v, %v; want %v", tc.mkfs, got, err, tc.want)
@@ -905,4 +839,46 @@ func TestCopyTreeAround(t *testing.T) {
 	if used, limit := usage(t, p, 403); used != 0 || limit != 0 {
 		t.Errorf("failed copy left project 403 with used %d limit %d", used, limit)
 	}
+}
+
+// mountPlainXFS makes an xfs (mkfs.xfs -q with mkfsArgs) in a 512 MiB image
+// of a fresh temporary directory, mounts it without project quotas and
+// returns the mount point; both go when the test ends, and nothing may be
+// left in the directory then.
+func mountPlainXFS(t *testing.T, mkfsArgs ...string) string {
+	t.Helper()
+	dir := t.TempDir()
+	image := filepath.Join(dir, "plain.img")
+	if err := os.WriteFile(image, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(image, 512*MiB); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("mkfs.xfs", append(append([]string{"-q"}, mkfsArgs...), image)...).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs.xfs: %v: %s", err, out)
+	}
+	dev, err := loop.Attach(context.Background(), image, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mnt := filepath.Join(dir, "mnt")
+	if err := os.Mkdir(mnt, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := loop.DetachIfBackedBy(context.Background(), dev.Path, image); err != nil {
+			t.Error(err)
+		}
+		checkNothingLeft(t, dir)
+	})
+	if err := unix.Mount(dev.Path, mnt, "xfs", 0, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := unix.Unmount(mnt, 0); err != nil {
+			t.Error(err)
+		}
+	})
+	return mnt
 }
