@@ -153,7 +153,7 @@ func (t *iscsiTransport) attach(ctx context.Context, req backend.StageRequest) (
 		return "", undo(status.Errorf(codes.Unavailable, "volume %s's disk: %v", req.VolumeID, err))
 	}
 	fpStageLoggedIn.Hit()
-	if err := disk.Check(req.CapacityBytes, req.AttachedReadOnly); err != nil {
+	if disk, err = in.CheckAttached(disk, req.CapacityBytes, req.AttachedReadOnly); err != nil {
 		return "", undo(status.Errorf(codes.FailedPrecondition, "volume %s: %v", req.VolumeID, err))
 	}
 	if req.ReadOnly && !disk.ReadOnly {

@@ -476,6 +476,30 @@ func (in *Initiator) Rescan(d Disk) (Disk, error) {
 	return now, nil
 }
 
+// CheckAttached is Check for a disk just found after a login, with one
+// second look where the kernel's first may have been wrong. The kernel
+// learns whether the target write-protects a disk from a MODE SENSE it
+// sends while making the disk; when that probe fails (a target slow to
+// answer under load), sd assumes the disk writable. A disk of a read-only
+// attachment that looks writable is therefore rescanned once, which sends
+// the probe again, before it is refused. Nothing else is retried, and a
+// disk still writable after the rescan is refused as before: the check
+// fails closed.
+func (in *Initiator) CheckAttached(d Disk, size int64, readOnly bool) (Disk, error) {
+	err := d.Check(size, readOnly)
+	if err == nil || !readOnly || d.ReadOnly || d.Size < size {
+		return d, err
+	}
+	again, rerr := in.Rescan(d)
+	if rerr != nil {
+		return d, fmt.Errorf("%w (and asking the kernel to probe it again failed: %v)", err, rerr)
+	}
+	if err := again.Check(size, readOnly); err != nil {
+		return again, fmt.Errorf("%w, also after the kernel probed it again", err)
+	}
+	return again, nil
+}
+
 // Check compares the disk the kernel has with the attachment: at least
 // the volume's size when it was attached (it may have grown since), and
 // whether this node may only read. A disk the target

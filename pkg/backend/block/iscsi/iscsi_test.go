@@ -340,3 +340,59 @@ func TestVolumeFromContext(t *testing.T) {
 		t.Fatalf("VolumeSerial(%s) = %q: not a serial, or not distinct", id, s)
 	}
 }
+
+// A disk of a read-only attachment that the kernel first saw as writable
+// is probed once more (a rescan) before it is refused: accepted when the
+// probe now finds it write-protected, refused when it still does not.
+func TestCheckAttachedProbesAWritableReaderOnceMoreInAFakeSysfs(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		roAfterProbe bool
+		wantErr      string
+	}{
+		{"write-protected on the second probe", true, ""},
+		{"still writable", false, "also after the kernel probed it again"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFakeSysfs(t)
+			f.session(1, targetA, portal, "LOGGED_IN")
+			f.disk(1, 0, "sda", serialA, 0, 2048, false)
+			in := &Initiator{Sysfs: f.sys, Dev: f.dev}
+			d, err := in.FindDisk(targetA, netip.MustParseAddrPort(portal), serialA)
+			if err != nil {
+				t.Fatal(err)
+			}
+			block := filepath.Join(f.sys, "class", "block", "sda")
+			if tc.roAfterProbe {
+				// What the kernel's rescan would leave: the probe's answer.
+				f.write(filepath.Join(block, "ro"), "1")
+			}
+			got, err := in.CheckAttached(d, 1024*512, true)
+			if tc.wantErr == "" && (err != nil || !got.ReadOnly) {
+				t.Fatalf("CheckAttached = %+v, %v; want the disk, read-only", got, err)
+			}
+			if tc.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tc.wantErr)) {
+				t.Fatalf("CheckAttached = %v; want an error saying %q", err, tc.wantErr)
+			}
+			if _, err := os.Stat(filepath.Join(block, "device", "rescan")); err != nil {
+				t.Fatalf("the disk was not rescanned: %v", err)
+			}
+		})
+	}
+	// Only the writable reader is probed again: a disk too small, or
+	// read-only for a writer, is refused at once.
+	f := newFakeSysfs(t)
+	f.session(1, targetA, portal, "LOGGED_IN")
+	f.disk(1, 0, "sda", serialA, 0, 2048, true)
+	in := &Initiator{Sysfs: f.sys, Dev: f.dev}
+	d, err := in.FindDisk(targetA, netip.MustParseAddrPort(portal), serialA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := in.CheckAttached(d, 1024*512, false); err == nil || !strings.Contains(err.Error(), "attached read/write") {
+		t.Fatalf("a read-only disk for a writer: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(f.sys, "class", "block", "sda", "device", "rescan")); err == nil {
+		t.Fatal("a read-only disk for a writer was rescanned")
+	}
+}

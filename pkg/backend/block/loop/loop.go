@@ -442,27 +442,62 @@ func canonical(path string) (string, error) {
 // bound. So it waits, for at most DetachWait or ctx's deadline, and then
 // fails, naming what holds the device where it can tell; the device stays
 // marked, and a retry finds it bound and waits again.
+//
+// The check and the detach go through one open file of dev. A device
+// checked by its path and then detached by its path could be freed in
+// between (by its own autoclear, or its owner's detach) and bound by
+// someone else to another volume, whose device the detach would then take
+// away. While this holds dev open the kernel cannot free it, so what the
+// second check sees is what LOOP_CLR_FD acts on.
 func DetachIfBackedBy(ctx context.Context, dev, image string) (bool, error) {
+	// The first check reads sysfs only: opening a device that is not
+	// image's, even for a moment, would hold up its owner's detach.
 	ours, err := NamedBy(dev, image)
 	if err != nil || !ours {
 		return false, err
 	}
-	backing, err := BackingFile(dev)
+	if betweenCheckAndOpen != nil {
+		betweenCheckAndOpen(dev)
+	}
+	f, err := os.OpenFile(dev, os.O_RDWR|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.EROFS) || errors.Is(err, unix.EACCES) {
+		f, err = os.OpenFile(dev, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	}
+	if errors.Is(err, os.ErrNotExist) || errors.Is(err, unix.ENXIO) {
+		return false, nil // the device is gone: nothing of image's is left on it
+	}
 	if err != nil {
+		return false, fmt.Errorf("opening %s: %w", dev, err)
+	}
+	backing, err := BackingFile(dev)
+	if err == nil && backing != "" {
+		ours, err = NamedBy(dev, image)
+	}
+	if err != nil || backing == "" || !ours {
+		// Freed since the first look, or freed and bound to another
+		// file: either way nothing of image's is left on it.
+		f.Close()
 		return false, err
 	}
-	if err := loopIoctl(dev, unix.LOOP_CLR_FD, 0); err != nil {
+	err = unix.IoctlSetInt(int(f.Fd()), unix.LOOP_CLR_FD, 0)
+	f.Close()
+	if err != nil {
 		// Detached by someone else in the meantime: the goal is reached.
-		if backing, berr := BackingFile(dev); berr == nil && backing == "" {
+		if now, berr := BackingFile(dev); berr == nil && now == "" {
 			return false, nil
 		}
-		return false, err
+		return false, fmt.Errorf("LOOP_CLR_FD on %s: %w", dev, err)
 	}
 	if err := waitReleased(ctx, dev, backing); err != nil {
 		return false, err
 	}
 	return true, nil
 }
+
+// betweenCheckAndOpen, when a test sets it, runs between DetachIfBackedBy's
+// first look at a device and its opening of it: the window in which the
+// device can change hands.
+var betweenCheckAndOpen func(dev string)
 
 // DetachWait bounds how long a detach waits for the last other opener of a
 // device to close it.

@@ -556,3 +556,43 @@ func TestARebindIsSeenThroughLibblkidsCache(t *testing.T) {
 		}
 	}
 }
+
+// A device that changes hands between the detach's look at it and its
+// detach is left to its new owner: freed (as an autoclear device is at its
+// last close) and bound at once to another volume's image, it stays bound
+// to that image, and the detach reports that it detached nothing.
+func TestDetachLeavesADeviceThatChangedHandsAlone(t *testing.T) {
+	dir := scratch(t)
+	ours, theirs := filepath.Join(dir, "ours.img"), filepath.Join(dir, "theirs.img")
+	sparseFile(t, ours, 4*mib)
+	sparseFile(t, theirs, 4*mib)
+	ctx := context.Background()
+	dev, err := Attach(ctx, ours, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rebound := false
+	betweenCheckAndOpen = func(path string) {
+		if out, err := exec.Command("losetup", "--detach", path).CombinedOutput(); err != nil {
+			t.Errorf("losetup -d %s: %v: %s", path, err, out)
+			return
+		}
+		// Another package's test may take the freed device first; then
+		// this run cannot show the case, and says so below.
+		if _, err := AttachAt(ctx, path, theirs, false); err == nil {
+			rebound = true
+		}
+	}
+	t.Cleanup(func() { betweenCheckAndOpen = nil })
+	done, err := DetachIfBackedBy(ctx, dev.Path, ours)
+	betweenCheckAndOpen = nil
+	if err != nil || done {
+		t.Fatalf("DetachIfBackedBy of a device that changed hands = %v, %v; want false, nil", done, err)
+	}
+	if !rebound {
+		t.Skipf("%s was taken by someone else before this test could bind it", dev.Path)
+	}
+	if same, err := BoundTo(dev.Path, theirs); err != nil || !same {
+		t.Fatalf("%s was taken from the image bound to it since: bound to it = %v, %v", dev.Path, same, err)
+	}
+}
