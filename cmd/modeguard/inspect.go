@@ -33,18 +33,26 @@ func runInspect(args []string) error {
 	}
 	o.StateDirs, o.Volumes = stateDirs, fs.Args()
 	// A pool directory with a kept filesystem has its records in there:
-	// mounted (or found mounted) for as long as this reads, never made.
-	kept := map[string]string{}
+	// mounted (or found mounted) for as long as this reads, never made,
+	// as whichever filesystem its image holds.
+	kept := map[string]map[string]string{}
 	o.BlockPools = map[string]string{}
 	for zone, dir := range pools {
 		if _, err := os.Stat(filepath.Join(dir, block.KeptImageName)); err == nil {
-			kept[zone] = dir
+			choice, err := block.KeptPoolFilesystem(dir)
+			if err != nil {
+				return fmt.Errorf("block pool of zone %s: %w", zone, err)
+			}
+			if kept[choice] == nil {
+				kept[choice] = map[string]string{}
+			}
+			kept[choice][zone] = dir
 		} else {
 			o.BlockPools[zone] = dir
 		}
 	}
-	if len(kept) > 0 {
-		k, err := block.KeepPools(context.Background(), kept, block.PoolFilesystemAuto)
+	for choice, dirs := range kept {
+		k, err := block.KeepPools(context.Background(), dirs, choice)
 		if err != nil {
 			return err
 		}

@@ -196,6 +196,8 @@ func flagSet(o *options) *flag.FlagSet {
 	fs.StringVar(&o.poolFilesystem, "block-pool-filesystem", block.PoolFilesystemAuto,
 		"how a --block-pool directory holds volumes: auto (where its filesystem has no reflinks, as ext4 and tmpfs, the driver keeps a sparse xfs with reflinks in it, "+
 			"so that snapshots and clones of volumes in use are instant clones; a directory with reflinks, with volumes of an earlier pool, or under 300 MiB is used as it is) "+
+			"btrfs (where its filesystem is not btrfs, the driver keeps a sparse btrfs in it, so that group snapshots of volumes being written are of one instant; "+
+			"a directory on btrfs, with volumes of an earlier pool, or under 300 MiB is used as it is) "+
 			"or direct (always as it is; snapshots and clones of volumes attached read-write are refused without reflinks). Every process of a zone must agree")
 	fs.Var(o.targets, "block-target", "controller: ZONE=HOST:PORT or ZONE=unix:///PATH: the storage target (--roles target) that serves zone ZONE's block pool (repeatable)")
 	fs.StringVar(&o.targetEndpoint, "target-endpoint", "unix:///run/modeguard/target.sock",

@@ -1,22 +1,24 @@
 // Package keptfs keeps a filesystem the driver needs in a directory that
 // is on another one: a sparse image file in that directory, formatted once
-// with mkfs.xfs, attached to a loop device and mounted at a subdirectory of
-// it. The NFS backend keeps its prjquota pool this way
-// (projquota.Prepare), the block backend a pool with reflinks
-// (block.KeepPools).
+// (xfs or btrfs), attached to a loop device and mounted at a subdirectory
+// of it. The NFS backend keeps its prjquota pool this way
+// (projquota.Prepare), the block backend a pool with reflinks, or one
+// whose group snapshots are of one instant (block.KeepPools).
 //
-// An image is never reformatted or resized once it exists, and it is made
+// An image is never reformatted or resized once it exists, nor mounted as
+// another filesystem than the one its superblock says it holds; it is made
 // under a temporary name and renamed into place only once formatted, so an
 // image that exists is a formatted one. Calls for one directory are
 // serialized by a lock file in it, also between processes and between
 // mount namespaces (the lock is on the directory's file, which every
 // namespace that sees the directory shares).
 //
-// One image must never be attached to two loop devices at once: two xfs
-// superblocks over one file, each caching its own metadata, corrupt it. So
-// a call first looks for a device the kernel already has bound to the
-// image (by inode) and mounts that one; mounting one block device twice,
-// even from two mount namespaces, gives the same superblock, which is safe.
+// One image must never be attached to two loop devices at once: two
+// superblocks over one file (xfs or btrfs), each caching its own metadata,
+// corrupt it. So a call first looks for a device the kernel already has
+// bound to the image (by inode) and mounts that one; mounting one block
+// device twice, even from two mount namespaces, gives the same superblock,
+// which is safe.
 package keptfs
 
 import (
@@ -43,6 +45,17 @@ import (
 // later refuse anything below 300 MiB).
 const MinXFSBytes = 300 << 20
 
+// The filesystems an image can hold (Spec.Filesystem), by their names for
+// mount(2) and mkfs.
+const (
+	XFS   = "xfs"
+	Btrfs = "btrfs"
+)
+
+// packageOf names the package that brings each filesystem's mkfs, for the
+// error that says it is missing.
+var packageOf = map[string]string{XFS: "xfsprogs", Btrfs: "btrfs-progs"}
+
 // Spec says which filesystem to keep and how.
 type Spec struct {
 	// Dir holds the image, the lock file and the mount point: absolute,
@@ -53,7 +66,10 @@ type Spec struct {
 	// Size is the size of a new image in bytes; with 0 only an existing
 	// image is used.
 	Size int64
-	// MkfsArgs go to mkfs.xfs after -q, before the image's path.
+	// Filesystem is what a new image is formatted as, and what an
+	// existing one must hold: XFS or Btrfs.
+	Filesystem string
+	// MkfsArgs go to mkfs.<Filesystem> after -q, before the image's path.
 	MkfsArgs []string
 	// Mount mounts the loop device dev at mnt.
 	Mount func(dev, mnt string) error
@@ -110,6 +126,9 @@ func Keep(ctx context.Context, s Spec) (*FS, error) {
 	if err := os.MkdirAll(mnt, 0o755); err != nil {
 		return nil, err
 	}
+	if err := s.check(); err != nil {
+		return nil, err
+	}
 
 	// Mounted already (by an earlier run of this process or another one)?
 	if m, err := mountAt(mnt); err != nil {
@@ -134,7 +153,7 @@ func Keep(ctx context.Context, s Spec) (*FS, error) {
 		return fs, nil
 	}
 
-	created, err := ensureImage(ctx, image, s.Size, s.MkfsArgs)
+	created, err := ensureImage(ctx, image, s.Size, s.Filesystem, s.MkfsArgs)
 	if err != nil {
 		return nil, err
 	}
@@ -391,7 +410,7 @@ func lockFile(ctx context.Context, path string) (func(), error) {
 // built under a temporary name and renamed into place only once formatted,
 // so an image file that exists is always a formatted one, and reusing it
 // unformatted after a crash can't happen.
-func ensureImage(ctx context.Context, image string, size int64, mkfsArgs []string) (created bool, err error) {
+func ensureImage(ctx context.Context, image string, size int64, filesystem string, mkfsArgs []string) (created bool, err error) {
 	st, err := os.Lstat(image)
 	if err == nil {
 		if !st.Mode().IsRegular() {
@@ -423,7 +442,7 @@ func ensureImage(ctx context.Context, image string, size int64, mkfsArgs []strin
 		return fail(fmt.Errorf("sizing %s: %w", tmp, err))
 	}
 	args := append(append([]string{"-q"}, mkfsArgs...), tmp)
-	if _, err := command.Run(ctx, "mkfs.xfs", args...); err != nil {
+	if _, err := command.Run(ctx, "mkfs."+filesystem, args...); err != nil {
 		return fail(err)
 	}
 	if err := f.Sync(); err != nil {

@@ -2,15 +2,19 @@ package integration
 
 import (
 	"context"
+	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
 
 	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/pkg/backend/block/loop"
+	"github.com/modeguard/modeguard/pkg/inspect"
 	"github.com/modeguard/modeguard/pkg/localcluster"
 	"github.com/modeguard/modeguard/test/testenv"
 )
@@ -20,10 +24,17 @@ import (
 // both use the xfs with reflinks kept there (one mount, one loop device),
 // so a snapshot of a volume the node has staged and writes succeeds. The
 // filesystem stays mounted while either process runs and goes, device and
-// all, when the last one stops cleanly.
+// all, when the last one stops cleanly. So too with
+// --block-pool-filesystem=btrfs and the btrfs kept there.
 func TestKeptPoolThroughTheBinary(t *testing.T) {
 	testenv.RequireRoot(t)
 	bin := testenv.BuildBinary(t)
+	for _, c := range []struct{ choice, fs string }{{block.PoolFilesystemAuto, "xfs"}, {block.PoolFilesystemBtrfs, "btrfs"}} {
+		t.Run(c.choice, func(t *testing.T) { keptPoolThroughTheBinary(t, bin, c.choice, c.fs) })
+	}
+}
+
+func keptPoolThroughTheBinary(t *testing.T, bin, choice, fs string) {
 	work := t.TempDir()
 	pool := filepath.Join(testenv.LoopFilesystem(t, 1<<30, "ext4", "-q"), "pool")
 	state, kubelet := filepath.Join(work, "state"), filepath.Join(work, "kubelet")
@@ -33,11 +44,14 @@ func TestKeptPoolThroughTheBinary(t *testing.T) {
 		}
 	}
 	kept, image := filepath.Join(pool, block.KeptMountDir), filepath.Join(pool, block.KeptImageName)
-	poolArg := "--block-pool=zone-a=" + pool
+	poolArgs := []string{"--block-pool=zone-a=" + pool}
+	if choice != block.PoolFilesystemAuto {
+		poolArgs = append(poolArgs, "--block-pool-filesystem="+choice)
+	}
 	ctrl := &crashProc{t: t, name: "controller", bin: bin, socket: filepath.Join(work, "c.sock"), log: filepath.Join(work, "controller.log"),
-		args: []string{"--roles", "controller", poolArg, "-v", "2"}}
+		args: append([]string{"--roles", "controller", "-v", "2"}, poolArgs...)}
 	node := &crashProc{t: t, name: "node", bin: bin, socket: filepath.Join(work, "n.sock"), log: filepath.Join(work, "node.log"),
-		args: []string{"--roles", "node", "--node-id", "kept-node", "--zone", "zone-a", poolArg, "--state-dir", state, "-v", "2"}}
+		args: append([]string{"--roles", "node", "--node-id", "kept-node", "--zone", "zone-a", "--state-dir", state, "-v", "2"}, poolArgs...)}
 	ctrl.start()
 	node.start()
 	t.Cleanup(func() {
@@ -62,6 +76,13 @@ func TestKeptPoolThroughTheBinary(t *testing.T) {
 	}
 	if devs, err := loop.DevicesOf(image); err != nil || len(devs) != 1 {
 		t.Fatalf("kept image bound to %v (%v), want one device", devs, err)
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(kept, &st); err != nil {
+		t.Fatal(err)
+	}
+	if magic := map[string]int64{"xfs": unix.XFS_SUPER_MAGIC, "btrfs": unix.BTRFS_SUPER_MAGIC}[fs]; int64(st.Type) != magic {
+		t.Fatalf("%s is of type %#x, want a %s", kept, st.Type, fs)
 	}
 
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
@@ -119,21 +140,41 @@ func TestKeptPoolThroughTheBinary(t *testing.T) {
 		t.Fatal(err)
 	}
 	node.stop()
-	if n := keptMounts(); n != 0 {
-		t.Errorf("%d mounts at %s after every process stopped", n, kept)
+	released := func(after string) {
+		t.Helper()
+		if n := keptMounts(); n != 0 {
+			t.Errorf("%d mounts at %s after %s", n, kept, after)
+		}
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			devs, err := loop.DevicesOf(image)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(devs) == 0 {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("kept image still bound to %v after %s", devs, after)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		devs, err := loop.DevicesOf(image)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if len(devs) == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("kept image still bound to %v after every process stopped", devs)
-		}
-		time.Sleep(20 * time.Millisecond)
+	released("every process stopped")
+
+	// inspect, given only the pool directory, mounts the kept filesystem
+	// its image holds, whichever it is, finds the volume in it, and lets
+	// go of it again.
+	out, err := exec.Command(bin, "inspect", "--block-pool", "zone-a="+pool, "--json", id).Output()
+	if err != nil {
+		t.Fatalf("modeguard inspect of a kept %s: %v", fs, err)
 	}
+	var report inspect.Report
+	if err := json.Unmarshal(out, &report); err != nil {
+		t.Fatalf("inspect --json printed no report: %v\n%s", err, out)
+	}
+	if len(report.Volumes) != 1 || len(report.Volumes[0].Attachments) != 1 {
+		t.Errorf("inspect found %+v in the kept %s, want the volume attached to its node", report.Volumes, fs)
+	}
+	released("inspect")
 }

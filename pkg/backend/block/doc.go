@@ -20,19 +20,22 @@
 //
 // DIR above is the pool root. It is the --block-pool directory itself,
 // unless that directory's filesystem has no reflinks: then the driver keeps
-// an xfs with reflinks in it (KeepPools, keptpool.go) and the root is that
-// filesystem, mounted inside the directory:
+// an xfs with reflinks in it (KeepPools, keptpool.go), or with
+// --block-pool-filesystem=btrfs a btrfs unless it is on btrfs, and the root
+// is that filesystem, mounted inside the directory:
 //
-//	DIR/kept-pool.img          sparse xfs image (mkfs.xfs -m reflink=1), as
-//	                           large as DIR's filesystem, never resized
+//	DIR/kept-pool.img          sparse xfs image (mkfs.xfs -m reflink=1) or
+//	                           btrfs image (mkfs.btrfs -m single -d single),
+//	                           as large as DIR's filesystem, never resized
+//	                           nor mounted as the other filesystem
 //	DIR/kept/                  where it is mounted (-o discard): the root
 //	DIR/.kept-pool.lock*       lock files of the processes that mount it
 //
 // Every process that uses the pool (controller, storage target, node
-// plugins, --block-pool-filesystem=auto in each) resolves DIR the same
+// plugins, the same --block-pool-filesystem in each) resolves DIR the same
 // way, so they all find the same volumes: whoever comes first makes and
 // attaches the image, the others mount the loop device already bound to it
-// (two devices over one xfs image would corrupt it), each in its own mount
+// (two devices over one image would corrupt it), each in its own mount
 // namespace. A directory that has reflinks, that holds volumes or
 // snapshots from before (they stay where they are), or whose filesystem is
 // under xfs's 300 MiB minimum is its own root; one holding a kept image is
@@ -92,7 +95,8 @@
 // instant, not each as of its own. A new pool on btrfs keeps its images in
 // a subvolume of their own (DIR/volumes), so one read-only snapshot of it
 // captures them all at the commit of one transaction, and each member is
-// a reflink of its image there (group.go, btrfs.go). Elsewhere members are
+// a reflink of its image there (group.go, btrfs.go); a kept btrfs is such a
+// pool, laid out when it is new like any other. Elsewhere members are
 // taken one after the other, and a group of more than one volume being
 // written is refused.
 //

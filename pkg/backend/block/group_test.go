@@ -37,12 +37,13 @@ func recordsIn(t *testing.T, path string) int64 {
 	return n
 }
 
-// TestGroupSnapshotOfVolumesBeingWritten: on a pool on btrfs, a group
+// TestGroupSnapshotOfVolumesBeingWritten: on a pool on btrfs (a
+// directory on btrfs, or a btrfs the driver keeps in one), a group
 // snapshot of two volumes both being written is of one instant: across
 // many groups, no restored member b holds a record its partner a had not
 // acknowledged, and both hold every record acknowledged before the call.
-// On a pool that captures one volume at a time (xfs with reflinks, or a
-// btrfs pool laid out before its volumes were a subvolume), the same group
+// On a pool that captures one volume at a time (xfs with reflinks, kept or
+// not, or a btrfs pool laid out before its volumes were a subvolume), the same group
 // is refused, naming both writers.
 func TestGroupSnapshotOfVolumesBeingWritten(t *testing.T) {
 	requireRoot(t)
@@ -64,6 +65,31 @@ func TestGroupSnapshotOfVolumesBeingWritten(t *testing.T) {
 		if left, _ := filepath.Glob(filepath.Join(pool, groupCapturePrefix+"*")); len(left) > 0 {
 			t.Errorf("captures left in the pool: %v", left)
 		}
+	})
+	// What --block-pool-filesystem=btrfs gives on an ext4 root: the kept
+	// btrfs's pool is laid out as one made on btrfs, and so are its groups.
+	t.Run("kept btrfs pool", func(t *testing.T) {
+		root := testRoot(t)
+		k := keepPoolsAs(t, map[string]string{"zone-a": outerDir(t, "ext4")}, PoolFilesystemBtrfs)
+		pool := k.Roots["zone-a"]
+		if filepath.Base(pool) != KeptMountDir || mountedFsType(t, pool) != "btrfs" {
+			t.Fatalf("pool root %s is not a kept btrfs", pool)
+		}
+		f := openFixture(t, root, k.Roots)
+		if ok, err := isSubvolume(filepath.Join(pool, volumesDir)); err != nil || !ok {
+			t.Fatalf("a new pool on a kept btrfs has its volumes in a subvolume: %v, %v", ok, err)
+		}
+		if !noCOW(t, filepath.Join(pool, volumesDir)) {
+			t.Errorf("%s of a new kept btrfs pool keeps copy-on-write on", volumesDir)
+		}
+		groupsWhileWriting(t, f, true)
+	})
+	// And what auto gives there: a kept xfs, whose groups of several
+	// writers are refused.
+	t.Run("kept xfs pool", func(t *testing.T) {
+		root := testRoot(t)
+		k := keepPools(t, map[string]string{"zone-a": outerDir(t, "ext4")})
+		groupsWhileWriting(t, openFixture(t, root, k.Roots), false)
 	})
 	t.Run("xfs reflink pool", func(t *testing.T) {
 		pool := filepath.Join(testenv.ReflinkXFS(t, 1<<30), "pool")
@@ -134,6 +160,9 @@ func groupsWhileWriting(t *testing.T, f *fixture, atOnce bool) {
 				if !strings.Contains(err.Error(), spec.ID.String()) {
 					t.Errorf("the refusal does not name writer %s: %v", spec.ID, err)
 				}
+			}
+			if !strings.Contains(err.Error(), "--block-pool-filesystem="+PoolFilesystemBtrfs) {
+				t.Errorf("the refusal does not say how to get a pool that takes groups at one instant: %v", err)
 			}
 			if snaps, _ := f.ctrl.ListSnapshots(ctx); len(snaps) != 0 {
 				t.Errorf("a refused group left %d snapshots", len(snaps))

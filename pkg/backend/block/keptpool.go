@@ -26,13 +26,52 @@ const (
 	// holds a pool of its own, or whose filesystem is too small for xfs
 	// stays the pool root itself.
 	PoolFilesystemAuto = "auto"
+	// PoolFilesystemBtrfs keeps a btrfs in a pool directory whose own
+	// filesystem is not btrfs, so that the pool gets btrfs's layout
+	// (layOutOnBtrfs) and a group snapshot of volumes being written is of
+	// one instant; a snapshot of one volume in use is one clone there too.
+	// A directory on btrfs, or one that already holds a pool of its own or
+	// is too small, stays the pool root itself.
+	PoolFilesystemBtrfs = "btrfs"
 	// PoolFilesystemDirect uses every pool directory as the pool root.
 	PoolFilesystemDirect = "direct"
 )
 
+// keptFilesystems is what each choice that keeps a filesystem keeps, and
+// what it gives, for logs and errors.
+var keptFilesystems = map[string]struct{ fs, what string }{
+	PoolFilesystemAuto:  {keptfs.XFS, "an xfs with reflinks"},
+	PoolFilesystemBtrfs: {keptfs.Btrfs, "a btrfs"},
+}
+
+// choiceKeeping is the --block-pool-filesystem value that keeps fs.
+func choiceKeeping(fs string) string {
+	for choice, k := range keptFilesystems {
+		if k.fs == fs {
+			return choice
+		}
+	}
+	return ""
+}
+
+// KeptPoolFilesystem is the --block-pool-filesystem value that fits the
+// kept image in the pool directory dir: the one that keeps the filesystem
+// the image holds.
+func KeptPoolFilesystem(dir string) (string, error) {
+	image := filepath.Join(dir, KeptImageName)
+	fs, err := keptfs.FilesystemOf(image)
+	if err != nil {
+		return "", err
+	}
+	if choice := choiceKeeping(fs); choice != "" {
+		return choice, nil
+	}
+	return "", &keptfs.OtherFilesystemError{Image: image, Want: keptfs.XFS + " or " + keptfs.Btrfs}
+}
+
 const (
-	// KeptImageName is the sparse xfs image a kept pool lives in, in the
-	// pool directory.
+	// KeptImageName is the sparse image (xfs or btrfs) a kept pool lives
+	// in, in the pool directory.
 	KeptImageName = "kept-pool.img"
 	// KeptMountDir is where the kept image is mounted, in the pool
 	// directory: the pool root of a kept pool.
@@ -81,13 +120,19 @@ func (k *KeptPools) Release() error {
 //     stay where they are), or whose filesystem is smaller than xfs's
 //     minimum, is its own root; any other gets a new kept image as large
 //     as its filesystem (sparse: it costs what is written to it).
+//   - btrfs: as auto, with a btrfs kept rather than an xfs, and a
+//     directory on btrfs (rather than one with reflinks) as its own root.
+//     A kept image of the other filesystem is refused: it is never
+//     formatted again, and the error names the value that fits it.
 //
 // What each zone got is logged once. A kept image that cannot be mounted
 // is an error: the process must not serve the zone from the directory
 // underneath, where its volumes are not.
 func KeepPools(ctx context.Context, pools map[string]string, filesystem string) (*KeptPools, error) {
-	if filesystem != PoolFilesystemAuto && filesystem != PoolFilesystemDirect {
-		return nil, fmt.Errorf("block pool filesystem %q: want %s or %s", filesystem, PoolFilesystemAuto, PoolFilesystemDirect)
+	if _, kept := keptFilesystems[filesystem]; !kept && filesystem != PoolFilesystemDirect {
+		return nil, fmt.Errorf("--block-pool-filesystem=%q: want %s (keep an xfs with reflinks where the directory has none), "+
+			"%s (keep a btrfs where the directory is not on btrfs, for group snapshots of volumes being written) or %s (use the directories as they are)",
+			filesystem, PoolFilesystemAuto, PoolFilesystemBtrfs, PoolFilesystemDirect)
 	}
 	k := &KeptPools{Roots: map[string]string{}}
 	for _, zone := range slices.Sorted(maps.Keys(pools)) {
@@ -172,26 +217,41 @@ func keepPool(ctx context.Context, zone, dir, filesystem string) (string, *keptf
 	}
 	if filesystem == PoolFilesystemDirect {
 		if hasImage {
+			fits, err := KeptPoolFilesystem(real)
+			if err != nil {
+				return "", nil, err
+			}
 			return "", nil, fmt.Errorf("%s holds the kept filesystem of the pool (%s), where the zone's volumes are; "+
 				"with --block-pool-filesystem=%s they would not be found: start with --block-pool-filesystem=%s",
-				real, KeptImageName, PoolFilesystemDirect, PoolFilesystemAuto)
+				real, KeptImageName, PoolFilesystemDirect, fits)
 		}
 		return direct("--block-pool-filesystem=" + PoolFilesystemDirect)
 	}
+	kept := keptFilesystems[filesystem]
 	var size int64
 	if !hasImage {
-		reflinks, err := fsutil.HasReflinks(real)
-		if err != nil {
-			return "", nil, err
-		}
-		if reflinks {
-			return direct("its filesystem has reflinks: a snapshot of a volume in use is one clone")
+		if filesystem == PoolFilesystemBtrfs {
+			btrfs, err := onBtrfs(real)
+			if err != nil {
+				return "", nil, err
+			}
+			if btrfs {
+				return direct("its filesystem is btrfs: a new pool there takes group snapshots at one instant")
+			}
+		} else {
+			reflinks, err := fsutil.HasReflinks(real)
+			if err != nil {
+				return "", nil, err
+			}
+			if reflinks {
+				return direct("its filesystem has reflinks: a snapshot of a volume in use is one clone")
+			}
 		}
 		if held, err := holdsPool(real); err != nil {
 			return "", nil, err
 		} else if held {
 			return direct("it holds volumes or snapshots of a pool made on it before: they stay there, " +
-				"and a snapshot or clone of a volume attached read-write is refused (no reflinks)")
+				"with what the directory's own filesystem gives (without reflinks, a snapshot or clone of a volume attached read-write is refused)")
 		}
 		var st unix.Statfs_t
 		if err := unix.Statfs(real, &st); err != nil {
@@ -199,36 +259,71 @@ func keepPool(ctx context.Context, zone, dir, filesystem string) (string, *keptf
 		}
 		size = int64(st.Blocks) * int64(st.Bsize)
 		if size < keptfs.MinXFSBytes {
-			return direct(fmt.Sprintf("its filesystem has no reflinks, and at %d bytes it is smaller than the %d an xfs needs: "+
-				"a snapshot or clone of a volume attached read-write is refused", size, keptfs.MinXFSBytes))
+			return direct(fmt.Sprintf("at %d bytes its filesystem is smaller than the %d a kept filesystem needs: "+
+				"a snapshot or clone of a volume attached read-write is refused without reflinks", size, keptfs.MinXFSBytes))
 		}
 	}
 	fs, err := keptfs.Keep(ctx, keptfs.Spec{
 		Dir: real, Image: KeptImageName, MountDir: KeptMountDir, Lock: keptLockName,
-		Size: size, MkfsArgs: []string{"-m", "reflink=1"}, Mount: mountKept,
+		Size: size, Filesystem: kept.fs, MkfsArgs: keptMkfsArgs(kept.fs, size), Mount: mountKept(kept.fs),
 		Shared: true, What: "kept block pool",
 	})
+	if other := (*keptfs.OtherFilesystemError)(nil); errors.As(err, &other) && other.Found != "" {
+		return "", nil, fmt.Errorf("%s holds the kept filesystem of the pool (%s), where the zone's volumes are, and it is a %s, "+
+			"not the %s that --block-pool-filesystem=%s keeps: a kept image is never formatted again; start with --block-pool-filesystem=%s",
+			real, KeptImageName, other.Found, kept.fs, filesystem, choiceKeeping(other.Found))
+	}
 	if err != nil {
 		if hasImage {
 			return "", nil, fmt.Errorf("%s holds the kept filesystem of the pool (%s), where the zone's volumes are, and it cannot be mounted at %s: %w",
 				real, KeptImageName, filepath.Join(real, KeptMountDir), err)
 		}
-		return "", nil, fmt.Errorf("keeping an xfs with reflinks in %s: %w", real, err)
+		if filesystem == PoolFilesystemBtrfs {
+			return "", nil, fmt.Errorf("keeping a btrfs in %s: %w; --block-pool-filesystem=%s keeps an xfs with reflinks instead "+
+				"(snapshots of volumes in use, but no group snapshots of several volumes being written), "+
+				"and --block-pool-filesystem=%s uses the directory as it is", real, err, PoolFilesystemAuto, PoolFilesystemDirect)
+		}
+		return "", nil, fmt.Errorf("keeping %s in %s: %w", kept.what, real, err)
 	}
-	klog.InfoS("Block pool: an xfs with reflinks kept in the directory is the pool root", "zone", zone, "dir", real,
+	klog.InfoS("Block pool: "+kept.what+" kept in the directory is the pool root", "zone", zone, "dir", real,
 		"root", fs.Root, "device", fs.Device, "formatted", fs.Formatted, "alreadyMounted", fs.Reused)
 	return fs.Root, fs, nil
 }
 
-// mountKept mounts a kept pool's device. discard: a volume or snapshot
-// deleted in the pool punches its blocks out of the sparse image, so the
-// directory underneath gets the space back. nodev, nosuid: the pool holds
-// images, never device nodes or programs.
-func mountKept(dev, mnt string) error {
-	if err := unix.Mount(dev, mnt, "xfs", unix.MS_NODEV|unix.MS_NOSUID, "discard"); err != nil {
-		return fmt.Errorf("mount -t xfs -o discard %s %s: %w (the kernel log, dmesg, tells why)", dev, mnt, err)
+// keptMkfsArgs format a new kept image of size bytes. For btrfs: one copy
+// of the metadata (-m single), since a second copy in the same sparse file
+// on the same disk guards against nothing and doubles every metadata
+// write; data and metadata in one kind of chunk (--mixed) only below
+// mixedBelow, where separate chunks run out of one kind while the other
+// has room.
+func keptMkfsArgs(fs string, size int64) []string {
+	if fs == keptfs.XFS {
+		return []string{"-m", "reflink=1"}
 	}
-	return nil
+	args := []string{"-m", "single", "-d", "single"}
+	if size < mixedBelow {
+		args = append(args, "--mixed")
+	}
+	return args
+}
+
+// mixedBelow is the size under which a kept btrfs mixes data and metadata
+// in its chunks.
+const mixedBelow = 512 << 20
+
+// mountKept mounts a kept pool's device, of filesystem fs. discard: a
+// volume or snapshot deleted in the pool punches its blocks out of the
+// sparse image, so the directory underneath gets the space back (on
+// btrfs, the synchronous kind rather than its delayed discard=async, so
+// the space comes back as soon as the deletion is committed). nodev,
+// nosuid: the pool holds images, never device nodes or programs.
+func mountKept(fs string) func(dev, mnt string) error {
+	return func(dev, mnt string) error {
+		if err := unix.Mount(dev, mnt, fs, unix.MS_NODEV|unix.MS_NOSUID, "discard"); err != nil {
+			return fmt.Errorf("mount -t %s -o discard %s %s: %w (the kernel log, dmesg, tells why)", fs, dev, mnt, err)
+		}
+		return nil
+	}
 }
 
 // holdsPool tells whether dir already holds a pool's volumes or snapshots.

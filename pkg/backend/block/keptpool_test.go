@@ -55,7 +55,13 @@ func outerDir(t *testing.T, kind string) string {
 // of a kept image and no loop device bound to one.
 func keepPools(t *testing.T, pools map[string]string) *KeptPools {
 	t.Helper()
-	k, err := KeepPools(context.Background(), pools, PoolFilesystemAuto)
+	return keepPoolsAs(t, pools, PoolFilesystemAuto)
+}
+
+// keepPoolsAs is keepPools with the --block-pool-filesystem value given.
+func keepPoolsAs(t *testing.T, pools map[string]string, filesystem string) *KeptPools {
+	t.Helper()
+	k, err := KeepPools(context.Background(), pools, filesystem)
 	if err != nil {
 		t.Fatalf("KeepPools: %v", err)
 	}
@@ -120,24 +126,34 @@ func mountsAt(t *testing.T, path string) int {
 
 // TestSnapshotOfAVolumeInUseOnAKeptPool: on a pool directory whose
 // filesystem has no reflinks (ext4, tmpfs, xfs made with reflink=0), the
-// pool the driver keeps there snapshots and clones a volume a workload is
-// writing and fsyncing, and every record acknowledged before each call is
-// in the copy, restored read-only, read/write and cloned. Without the kept
-// pool those calls are refused (TestSnapshotOfAVolumeInUse's plain pool).
+// pool the driver keeps there (an xfs, or with btrfs a btrfs) snapshots and
+// clones a volume a workload is writing and fsyncing, and every record
+// acknowledged before each call is in the copy, restored read-only,
+// read/write and cloned; the kept filesystem's creations share their
+// syncs. Without the kept pool those calls are refused
+// (TestSnapshotOfAVolumeInUse's plain pool).
 func TestSnapshotOfAVolumeInUseOnAKeptPool(t *testing.T) {
 	requireRoot(t)
-	for _, outer := range []string{"ext4", "tmpfs", "xfs-noreflink"} {
-		t.Run(outer, func(t *testing.T) {
+	for _, c := range []struct{ outer, choice, fs string }{
+		{"ext4", PoolFilesystemAuto, "xfs"},
+		{"tmpfs", PoolFilesystemAuto, "xfs"},
+		{"xfs-noreflink", PoolFilesystemAuto, "xfs"},
+		{"ext4", PoolFilesystemBtrfs, "btrfs"},
+	} {
+		t.Run(c.outer+" "+c.choice, func(t *testing.T) {
 			root := testRoot(t)
-			dir := outerDir(t, outer)
-			k := keepPools(t, map[string]string{"zone-a": dir})
+			dir := outerDir(t, c.outer)
+			k := keepPoolsAs(t, map[string]string{"zone-a": dir}, c.choice)
 			pool := k.Roots["zone-a"]
 			real, _ := filepath.EvalSymlinks(dir)
 			if pool != filepath.Join(real, KeptMountDir) {
 				t.Fatalf("pool root %s, want the kept mount in %s", pool, real)
 			}
-			if fsType := mountedFsType(t, pool); fsType != "xfs" {
-				t.Fatalf("pool root is %s, want xfs", fsType)
+			if fsType := mountedFsType(t, pool); fsType != c.fs {
+				t.Fatalf("pool root is %s, want %s", fsType, c.fs)
+			}
+			if !fsutil.SyncsShared(filepath.Join(pool, volumesDir, "x.img")) {
+				t.Errorf("the kept %s's creations do not share their syncs", c.fs)
 			}
 			f := openFixture(t, root, k.Roots)
 			snapshotsWhileWriting(t, f, fsExt4, true)
@@ -164,9 +180,15 @@ func TestSnapshotOfAVolumeInUseOnAKeptPool(t *testing.T) {
 // the very loop device the first one attached, never a second one; the
 // filesystem stays mounted while another keeper uses it, and the device
 // goes with the last mount. Kept again, it is the same image with the same
-// files.
+// files. So for a kept xfs and a kept btrfs alike.
 func TestKeptPoolIsSharedAndReleased(t *testing.T) {
 	requireRoot(t)
+	for _, choice := range []string{PoolFilesystemAuto, PoolFilesystemBtrfs} {
+		t.Run(choice, func(t *testing.T) { keptPoolIsSharedAndReleased(t, choice) })
+	}
+}
+
+func keptPoolIsSharedAndReleased(t *testing.T, choice string) {
 	testRoot(t)
 	ctx := context.Background()
 	dir := outerDir(t, "ext4")
@@ -176,11 +198,14 @@ func TestKeptPoolIsSharedAndReleased(t *testing.T) {
 	mnt := filepath.Join(real, KeptMountDir)
 	t.Cleanup(func() { assertKeptReleased(t, dir) })
 
-	first, err := KeepPools(ctx, pools, PoolFilesystemAuto)
+	first, err := KeepPools(ctx, pools, choice)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = first.Release() })
+	if fsType := mountedFsType(t, mnt); fsType != keptFilesystems[choice].fs {
+		t.Fatalf("kept pool is a %s, want a %s", fsType, keptFilesystems[choice].fs)
+	}
 	st, err := os.Stat(image)
 	if err != nil {
 		t.Fatal(err)
@@ -198,7 +223,7 @@ func TestKeptPoolIsSharedAndReleased(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	second, err := KeepPools(ctx, pools, PoolFilesystemAuto)
+	second, err := KeepPools(ctx, pools, choice)
 	if err != nil {
 		t.Fatalf("KeepPools again: %v", err)
 	}
@@ -209,7 +234,7 @@ func TestKeptPoolIsSharedAndReleased(t *testing.T) {
 
 	// Another mount namespace, without this one's mount: it mounts the
 	// same device, and sees and writes the same filesystem.
-	other := startOtherNamespaceKeeper(t, dir, mnt)
+	other := startOtherNamespaceKeeper(t, dir, mnt, choice)
 	if other.device != dev {
 		t.Errorf("the other namespace mounted %s, this one %s", other.device, dev)
 	}
@@ -243,7 +268,7 @@ func TestKeptPoolIsSharedAndReleased(t *testing.T) {
 	other.stop(t)
 	assertKeptReleased(t, dir)
 
-	third := keepPools(t, pools)
+	third := keepPoolsAs(t, pools, choice)
 	if third.Roots["zone-a"] != mnt {
 		t.Errorf("root %s", third.Roots["zone-a"])
 	}
@@ -339,12 +364,14 @@ type otherKeeper struct {
 	out    *bytes.Buffer
 }
 
+// otherKeeperEnv holds the pool directory for the keeper, and
+// otherKeeperEnv+"_AS" the --block-pool-filesystem value it keeps it with.
 const otherKeeperEnv = "MODEGUARD_TEST_KEEP_POOL"
 
 // startOtherNamespaceKeeper runs this test binary's
 // TestOtherNamespaceKeeper in a new mount namespace whose copy of the
 // kept mount is taken off first, so it has to mount the filesystem itself.
-func startOtherNamespaceKeeper(t *testing.T, dir, mnt string) *otherKeeper {
+func startOtherNamespaceKeeper(t *testing.T, dir, mnt, choice string) *otherKeeper {
 	t.Helper()
 	self, err := os.Executable()
 	if err != nil {
@@ -352,7 +379,7 @@ func startOtherNamespaceKeeper(t *testing.T, dir, mnt string) *otherKeeper {
 	}
 	cmd := exec.Command("unshare", "--mount", "--propagation", "private", "--",
 		"sh", "-c", `umount "$1" && exec "$2" -test.run '^TestOtherNamespaceKeeper$' -test.v`, "sh", mnt, self)
-	cmd.Env = append(os.Environ(), otherKeeperEnv+"="+dir)
+	cmd.Env = append(os.Environ(), otherKeeperEnv+"="+dir, otherKeeperEnv+"_AS="+choice)
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -422,7 +449,7 @@ func TestOtherNamespaceKeeper(t *testing.T) {
 	if dir == "" {
 		t.Skip("run by TestKeptPoolIsSharedAndReleased")
 	}
-	k, err := KeepPools(context.Background(), map[string]string{"zone-a": dir}, PoolFilesystemAuto)
+	k, err := KeepPools(context.Background(), map[string]string{"zone-a": dir}, os.Getenv(otherKeeperEnv+"_AS"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -512,6 +539,26 @@ func TestPoolsThatStayDirect(t *testing.T) {
 	}
 	if _, err := KeepPools(ctx, map[string]string{"zone-a": empty}, "kept"); err == nil {
 		t.Error("KeepPools accepted an unknown filesystem choice")
+	} else {
+		for _, want := range []string{`"kept"`, PoolFilesystemAuto, PoolFilesystemBtrfs, PoolFilesystemDirect} {
+			if !strings.Contains(err.Error(), want) {
+				t.Errorf("the refusal of an unknown choice %q does not say %q", err, want)
+			}
+		}
+	}
+
+	// btrfs: a directory on btrfs is its own root (and gets btrfs's
+	// layout when its pool is opened), with no image in it.
+	onBtrfs := filepath.Join(testenv.LoopFilesystem(t, 1<<30, "btrfs", "-q"), "pool")
+	if err := os.Mkdir(onBtrfs, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	b := keepPoolsAs(t, map[string]string{"zone-a": onBtrfs}, PoolFilesystemBtrfs)
+	if real, _ := filepath.EvalSymlinks(onBtrfs); b.Roots["zone-a"] != real {
+		t.Errorf("btrfs on btrfs: root %s, want the directory %s", b.Roots["zone-a"], real)
+	}
+	if _, err := os.Stat(filepath.Join(onBtrfs, KeptImageName)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("btrfs on btrfs: a kept image was made: %v", err)
 	}
 }
 
@@ -540,12 +587,19 @@ func TestKeptImageThatCannotBeMountedFailsClosed(t *testing.T) {
 
 // TestKeptPoolGivesDeletedSpaceBack: what is deleted in a kept pool goes
 // back to the filesystem under its sparse image (mounted with discard), so
-// deleted volumes and snapshots do not stay allocated underneath.
+// deleted volumes and snapshots do not stay allocated underneath; a kept
+// xfs and a kept btrfs alike.
 func TestKeptPoolGivesDeletedSpaceBack(t *testing.T) {
 	requireRoot(t)
+	for _, choice := range []string{PoolFilesystemAuto, PoolFilesystemBtrfs} {
+		t.Run(choice, func(t *testing.T) { keptPoolGivesDeletedSpaceBack(t, choice) })
+	}
+}
+
+func keptPoolGivesDeletedSpaceBack(t *testing.T, choice string) {
 	testRoot(t)
 	dir := outerDir(t, "ext4")
-	k := keepPools(t, map[string]string{"zone-a": dir})
+	k := keepPoolsAs(t, map[string]string{"zone-a": dir}, choice)
 	real, _ := filepath.EvalSymlinks(dir)
 	image := filepath.Join(real, KeptImageName)
 	allocated := func() int64 {
@@ -579,7 +633,8 @@ func TestKeptPoolGivesDeletedSpaceBack(t *testing.T) {
 	if err := os.Remove(data); err != nil {
 		t.Fatal(err)
 	}
-	// xfs discards freed extents once their removal is in its log.
+	// xfs discards freed extents once their removal is in its log, btrfs
+	// once the transaction that frees them is committed.
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		root, err := os.Open(k.Roots["zone-a"])
@@ -635,4 +690,94 @@ func TestSyncsSharedOnlyOnAFilesystemOfItsOwn(t *testing.T) {
 			t.Errorf("zone %s: syncs still shared after the release", zone)
 		}
 	}
+}
+
+// TestKeptImageOfTheOtherFilesystemIsRefused: a pool directory whose kept
+// image holds an xfs is refused at start under --block-pool-filesystem=btrfs,
+// and one holding a btrfs under auto and direct, each saying what the image
+// holds and which value fits it; the image is neither formatted again nor
+// left mounted, and the value that fits still finds its volumes' files.
+func TestKeptImageOfTheOtherFilesystemIsRefused(t *testing.T) {
+	requireRoot(t)
+	testRoot(t)
+	ctx := context.Background()
+	for _, c := range []struct {
+		made  string
+		asked []string
+		found string
+	}{
+		{PoolFilesystemAuto, []string{PoolFilesystemBtrfs}, "xfs"},
+		{PoolFilesystemBtrfs, []string{PoolFilesystemAuto, PoolFilesystemDirect}, "btrfs"},
+	} {
+		t.Run(c.made, func(t *testing.T) {
+			dir := outerDir(t, "tmpfs")
+			real, _ := filepath.EvalSymlinks(dir)
+			image := filepath.Join(real, KeptImageName)
+			k, err := KeepPools(ctx, map[string]string{"zone-a": dir}, c.made)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(filepath.Join(k.Roots["zone-a"], "marker"), []byte("kept"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			if err := k.Release(); err != nil {
+				t.Fatal(err)
+			}
+			assertKeptReleased(t, dir)
+			ino := inodeOf(t, image)
+			for _, asked := range c.asked {
+				_, err := KeepPools(ctx, map[string]string{"zone-a": dir}, asked)
+				if err == nil {
+					t.Fatalf("a kept %s was used with --block-pool-filesystem=%s", c.found, asked)
+				}
+				for _, want := range []string{"zone-a", KeptImageName, c.found, "--block-pool-filesystem=" + c.made} {
+					if !strings.Contains(err.Error(), want) {
+						t.Errorf("--block-pool-filesystem=%s: refusal %q does not say %q", asked, err, want)
+					}
+				}
+				assertKeptReleased(t, dir)
+			}
+			again := keepPoolsAs(t, map[string]string{"zone-a": dir}, c.made)
+			if inodeOf(t, image) != ino {
+				t.Error("the kept image was made again")
+			}
+			if b, err := os.ReadFile(filepath.Join(again.Roots["zone-a"], "marker")); err != nil || string(b) != "kept" {
+				t.Errorf("marker after the refusals: %q %v", b, err)
+			}
+		})
+	}
+}
+
+func inodeOf(t *testing.T, path string) uint64 {
+	t.Helper()
+	st, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st.Sys().(*syscall.Stat_t).Ino
+}
+
+// TestKeptBtrfsWithoutMkfsFailsClosed: with --block-pool-filesystem=btrfs
+// and no mkfs.btrfs, the start fails naming what is missing and the
+// values that do without it, and neither makes an image nor serves the
+// zone from the directory as it is.
+func TestKeptBtrfsWithoutMkfsFailsClosed(t *testing.T) {
+	requireRoot(t)
+	testRoot(t)
+	dir := outerDir(t, "tmpfs")
+	t.Setenv("PATH", t.TempDir())
+	k, err := KeepPools(context.Background(), map[string]string{"zone-a": dir}, PoolFilesystemBtrfs)
+	if err == nil {
+		_ = k.Release()
+		t.Fatalf("a btrfs pool started without mkfs.btrfs, root %s", k.Roots["zone-a"])
+	}
+	for _, want := range []string{"zone-a", "mkfs.btrfs", "btrfs-progs", "--block-pool-filesystem=auto", "--block-pool-filesystem=direct"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, KeptImageName)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("kept image: %v", err)
+	}
+	assertKeptReleased(t, dir)
 }

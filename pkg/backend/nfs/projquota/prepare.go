@@ -73,7 +73,7 @@ func Prepare(ctx context.Context, dir string, imageSize int64) (*Pool, func() er
 
 	fs, err := keptfs.Keep(ctx, keptfs.Spec{
 		Dir: real, Image: ImageName, MountDir: MountDirName, Lock: lockName,
-		Size: imageSize, Mount: mountPool, What: "NFS pool",
+		Size: imageSize, Filesystem: keptfs.XFS, Mount: mountPool, What: "NFS pool",
 	})
 	if err != nil {
 		return nil, nil, fmt.Errorf("projquota: %w", err)
