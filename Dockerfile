@@ -13,10 +13,11 @@ RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X main.version=${VERSION}"
 # iSCSI, talking to the host's iscsid; loop devices are bound by ioctl) and
 # what the controller runs for NFS (nfs-ganesha with its VFS backend, a
 # private D-Bus daemon). A storage target needs nothing more: LIO is
-# configured through configfs.
+# configured through configfs. Any role with a --block-pool makes the
+# pool's kept filesystem: mkfs.xfs (auto) or mkfs.btrfs (btrfs).
 FROM debian:bookworm-slim
 RUN apt-get update \
- && apt-get install -y --no-install-recommends util-linux mount e2fsprogs xfsprogs coreutils \
+ && apt-get install -y --no-install-recommends util-linux mount e2fsprogs xfsprogs btrfs-progs coreutils \
       nfs-common nfs-ganesha nfs-ganesha-vfs dbus netbase open-iscsi \
  && rm -rf /var/lib/apt/lists/* \
  && ln -sf /proc/self/mounts /etc/mtab

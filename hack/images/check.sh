@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Checks the docker-archives in _build/images/: each is a tar holding
-# manifest.json, with the repo tags it claims. With CTR_IMPORT=1 (default 1
+# manifest.json, with the repo tags it claims, and the driver's image holds
+# the mkfs programs the driver runs. With CTR_IMPORT=1 (default 1
 # when a ctr/containerd binary is around) it also starts a throw-away
 # containerd (own root, state and socket under _build/images/check-containerd,
 # CRI plugin off) and imports every archive into namespace k8s.io.
@@ -22,6 +23,27 @@ for a in "$OUT"/modeguard.tar "$OUT"/csi-*.tar; do
     printf 'FAIL %-28s no readable manifest.json\n' "$(basename "$a")"; fail=1
   fi
 done
+
+# The driver's image must hold the mkfs of every filesystem the driver
+# makes: ext4 and xfs volumes, the kept xfs (auto) and the kept btrfs
+# (--block-pool-filesystem=btrfs) of the block pools. A package missing
+# from the Dockerfile would show only when a pod first needs it.
+if [[ -f $OUT/modeguard.tar ]]; then
+  layers=$(mktemp -d)
+  listing=$layers/files
+  for l in $(tar -xOf "$OUT/modeguard.tar" manifest.json | python3 -c \
+      'import json,sys; print("\n".join(l for e in json.load(sys.stdin) for l in e["Layers"]))'); do
+    tar -xOf "$OUT/modeguard.tar" "$l" >"$layers/layer" && tar -tf "$layers/layer" >>"$listing" 2>/dev/null || true
+  done
+  for tool in mkfs.ext4 mkfs.xfs mkfs.btrfs; do
+    if grep -qE "(^|/)sbin/$tool\$" "$listing"; then
+      printf 'OK   %-28s holds %s\n' modeguard.tar "$tool"
+    else
+      printf 'FAIL %-28s lacks %s\n' modeguard.tar "$tool"; fail=1
+    fi
+  done
+  rm -rf "$layers"
+fi
 
 CT=$OUT/containerd/root/usr/bin
 if [[ ${CTR_IMPORT:-1} == 1 && ! -x $CT/ctr ]]; then
