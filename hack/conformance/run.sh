@@ -53,6 +53,10 @@ if [[ "$GROUP" == 1 && ! -f "$GROUP_DRIVER_FILE" ]]; then
   log "volumegroupsnapshottable: no $GROUP_DRIVER_FILE for $DRIVER, not run"
   GROUP=0
 fi
+if [[ -z "$SUITES" && "$GROUP" == 0 ]]; then
+  log "no suite to run for $DRIVER"
+  exit 0
+fi
 if [[ "${BUILD_ONLY:-0}" == 1 ]]; then
   [[ -z "$SUITES" ]] || bash "$HERE/build.sh"
   [[ "$GROUP" == 0 ]] || E2E_VERSION="$GROUP_E2E_VERSION" bash "$HERE/build.sh"
