@@ -9,6 +9,13 @@
 #   SKIP=regexp        more specs not to run than test/conformance/skip-$DRIVER.txt
 #   PROCS=2            parallel Ginkgo workers; [Serial] specs run alone at the end
 #   REPORT=dir         JUnit report and log (default _build/conformance/report-$DRIVER)
+#   BUILD_ONLY=1       only build the binaries SUITES need
+#
+# The suites run with e2e.test of the cluster's version (v1.34.4), but for
+# volumegroupsnapshottable: it runs with e2e.test $GROUP_E2E_VERSION (v1.35.4,
+# the first whose external driver names a VolumeGroupSnapshotClass) and the
+# driver file test/conformance/$DRIVER-group.yaml, as a second run reported
+# in $REPORT-group (a driver without that file skips it).
 #
 # Builds e2e.test (hack/conformance/build.sh); on the local cluster (no
 # KUBECONFIG, or its admin.kubeconfig) brings it up when no node answers (make
@@ -29,9 +36,32 @@ case "$DRIVER" in
   block|nfs) ;;
   *) echo "DRIVER must be block or nfs, not $DRIVER" >&2; exit 2 ;;
 esac
-SUITES="${SUITES:-provisioning|volume-modify|volumes|volumeIO|volumeMode|subPath|multiVolume|read-write-once-pod|topology|snapshottable|volume-expand|fsgroupchangepolicy|ephemeral|volumeLimits|capacity|snapshottable-stress|volume-stress}"
+SUITES="${SUITES:-provisioning|volume-modify|volumes|volumeIO|volumeMode|subPath|multiVolume|read-write-once-pod|topology|snapshottable|volume-expand|fsgroupchangepolicy|ephemeral|volumeLimits|capacity|snapshottable-stress|volume-stress|volumegroupsnapshottable}"
 DRIVER_FILE="$REPO/test/conformance/$DRIVER.yaml"
 [[ -f "$DRIVER_FILE" ]] || { echo "no driver file $DRIVER_FILE" >&2; exit 2; }
+GROUP_E2E_VERSION="${GROUP_E2E_VERSION:-v1.35.4}"
+GROUP_DRIVER_FILE="$REPO/test/conformance/$DRIVER-group.yaml"
+# volumegroupsnapshottable leaves SUITES for a run of its own.
+GROUP=0
+IFS='|' read -r -a names <<<"$SUITES"
+rest=()
+for n in "${names[@]}"; do
+  if [[ "$n" == volumegroupsnapshottable ]]; then GROUP=1; else rest+=("$n"); fi
+done
+SUITES=$(IFS='|'; echo "${rest[*]}")
+if [[ "$GROUP" == 1 && ! -f "$GROUP_DRIVER_FILE" ]]; then
+  log "volumegroupsnapshottable: no $GROUP_DRIVER_FILE for $DRIVER, not run"
+  GROUP=0
+fi
+if [[ -z "$SUITES" && "$GROUP" == 0 ]]; then
+  log "no suite to run for $DRIVER"
+  exit 0
+fi
+if [[ "${BUILD_ONLY:-0}" == 1 ]]; then
+  [[ -z "$SUITES" ]] || bash "$HERE/build.sh"
+  [[ "$GROUP" == 0 ]] || E2E_VERSION="$GROUP_E2E_VERSION" bash "$HERE/build.sh"
+  exit 0
+fi
 
 # The local cluster's nodes share this kernel: NFS volumes mount only where
 # it has an NFS client (docs/conformance.md).
@@ -43,7 +73,8 @@ if [[ "$LOCAL" == 1 && "$DRIVER" == nfs ]] && ! grep -qw nfs4 /proc/filesystems 
   exit 0
 fi
 
-bash "$HERE/build.sh"
+[[ -z "$SUITES" ]] || bash "$HERE/build.sh"
+[[ "$GROUP" == 0 ]] || E2E_VERSION="$GROUP_E2E_VERSION" bash "$HERE/build.sh"
 export KUBECONFIG="${KUBECONFIG:-$BUILD/cluster/admin.kubeconfig}"
 export PATH="$BUILD/k8s/bin:$PATH"  # the suite runs kubectl exec
 if [[ "$LOCAL" == 1 ]]; then
@@ -59,29 +90,44 @@ if [[ "$LOCAL" == 1 ]]; then
   kubectl -n default delete pvc mg-local-test --ignore-not-found --wait=true --timeout=120s >/dev/null
 fi
 
-rm -rf "$REPORT"; mkdir -p "$REPORT"; REPORT=$(cd "$REPORT" && pwd)
-# Spec names read "External Storage [Driver: modeguard.csi.dev] [Testpattern: ...] <suite> <spec>".
-focus="External.Storage \\[Driver: modeguard\\.csi\\.dev\\] \\[Testpattern: [^]]*\\] ($SUITES) "
 # Specs that cannot pass here, kept in test/conformance/skip-$DRIVER.txt
 # (docs/conformance.md says why for each), plus $SKIP.
 skip=$(grep -vE '^\s*(#|$)' "$REPO/test/conformance/skip-$DRIVER.txt" 2>/dev/null | paste -sd'|' || true)
 [[ -n "${SKIP:-}" ]] && skip="${skip:+$skip|}$SKIP"
 skip_args=()
 [[ -n "$skip" ]] && skip_args=(--skip="$skip")
-log "running $DRIVER: suites ($SUITES) with $PROCS workers; log in $REPORT/e2e.log"
-start=$(date +%s)
+
+# run_suites BIN MODULE DRIVER_FILE SUITES REPORT: one Ginkgo run of e2e.test
+# BIN, from the scratch module MODULE, whose go.mod has the ginkgo the CLI
+# next to BIN was built from.
+run_suites() {
+  local bin=$1 mod=$2 file=$3 suites=$4 report=$5 focus start rc=0
+  rm -rf "$report"; mkdir -p "$report"; report=$(cd "$report" && pwd)
+  # Spec names read "External Storage [Driver: modeguard.csi.dev] [Testpattern: ...] <suite> <spec>".
+  focus="External.Storage \\[Driver: modeguard\\.csi\\.dev\\] \\[Testpattern: [^]]*\\] ($suites) "
+  log "running $DRIVER with $(basename "$(dirname "$bin")")/e2e.test $(cat "$(dirname "$bin")/VERSION") and $(basename "$file"): suites ($suites) with $PROCS workers; log in $report/e2e.log"
+  start=$(date +%s)
+  (cd "$mod" && "$(dirname "$bin")/ginkgo" --procs="$PROCS" --focus="$focus" "${skip_args[@]}" \
+      --timeout="${GINKGO_TIMEOUT:-4h}" --no-color --silence-skips --junit-report=junit.xml --output-dir="$report" \
+      "$bin" -- \
+      -storage.testdriver="$file" -repo-root="$REPO" \
+      -kubeconfig="$KUBECONFIG" -provider=skeleton -node-os-distro=debian \
+      -disable-log-dump -report-dir="$report") >"$report/e2e.log" 2>&1 || rc=$?
+  log "took $(( $(date +%s) - start )) s, exit $rc"
+  python3 "$HERE/summary.py" "$report/junit.xml" || true
+  if (( rc != 0 )); then
+    echo "--- failures (tail of $report/e2e.log) ---"
+    grep -E '^\s*\[FAIL\]|^  \[FAILED\]|Summarizing' -A3 "$report/e2e.log" | tail -60
+  fi
+  return $rc
+}
+
 rc=0
-# From the scratch module, whose go.mod has the ginkgo the CLI was built from.
-(cd "$HERE/e2e-build" && "$OUT/bin/ginkgo" --procs="$PROCS" --focus="$focus" "${skip_args[@]}" \
-    --timeout="${GINKGO_TIMEOUT:-4h}" --no-color --silence-skips --junit-report=junit.xml --output-dir="$REPORT" \
-    "$OUT/bin/e2e.test" -- \
-    -storage.testdriver="$DRIVER_FILE" -repo-root="$REPO" \
-    -kubeconfig="$KUBECONFIG" -provider=skeleton -node-os-distro=debian \
-    -disable-log-dump -report-dir="$REPORT") >"$REPORT/e2e.log" 2>&1 || rc=$?
-log "took $(( $(date +%s) - start )) s, exit $rc"
-python3 "$HERE/summary.py" "$REPORT/junit.xml" || true
-if (( rc != 0 )); then
-  echo "--- failures (tail of $REPORT/e2e.log) ---"
-  grep -E '^\s*\[FAIL\]|^  \[FAILED\]|Summarizing' -A3 "$REPORT/e2e.log" | tail -60
+if [[ -n "$SUITES" ]]; then
+  run_suites "$OUT/bin/e2e.test" "$HERE/e2e-build" "$DRIVER_FILE" "$SUITES" "$REPORT" || rc=$?
+fi
+if [[ "$GROUP" == 1 ]]; then
+  run_suites "$OUT/bin-$GROUP_E2E_VERSION/e2e.test" "$HERE/e2e-build-$GROUP_E2E_VERSION" "$GROUP_DRIVER_FILE" \
+    volumegroupsnapshottable "$REPORT-group" || rc=$?
 fi
 exit $rc

@@ -47,21 +47,28 @@ done
 wait
 
 log "making the pool and state directories"
-# Each zone's pool is its own xfs with reflinks (a sparse image, POOL_SIZE each), as a
-# production pool should be: a snapshot or clone of a volume in use is then an atomic clone
-# (on a filesystem without reflinks, this host's ext4, the driver refuses to copy a volume
-# attached for writing), and a zone that fills up is full alone, so the capacity the driver
-# publishes differs by zone as it would across real zones.
+# Each zone's pool is a btrfs of its own (a sparse image, POOL_SIZE each), as a production pool
+# should be: a snapshot or clone of a volume in use is then an atomic clone (on a filesystem
+# without reflinks the driver would keep an xfs with reflinks in the pool directory), a group
+# snapshot of volumes being written is of one instant (the driver lays a new pool on btrfs out
+# with its volumes in a subvolume: one read-only snapshot of it holds every member; on xfs a group
+# of more than one volume being written is refused), and a zone that fills up is full alone, so
+# the capacity the driver publishes differs by zone as it would across real zones. An image of
+# another filesystem (a pool of an earlier layout, kept with KEEP_STATE=1) is made anew.
 mkdir -p "$BUILD"/modeguard-local/{pools,node,nfs,ganesha}
 for zone in zone-a zone-b; do
   pool="$BUILD/modeguard-local/pools/$zone" img="$BUILD/modeguard-local/pool-$zone.img"
   mkdir -p "$pool"
   mountpoint -q "$pool" && continue
+  if [[ -s "$img" && "$(blkid -p -o value -s TYPE "$img" 2>/dev/null)" != btrfs ]]; then
+    log "$img is not a btrfs: making it anew"
+    rm -f "$img"
+  fi
   if [[ ! -s "$img" ]]; then
     truncate -s "${POOL_SIZE:-16G}" "$img"
-    mkfs.xfs -q -m reflink=1 "$img" || die "mkfs.xfs -m reflink=1 $img"
+    mkfs.btrfs -q "$img" >/dev/null || die "mkfs.btrfs $img"
   fi
-  mount -t xfs -o loop "$img" "$pool" || die "mounting the pool of $zone ($img)"
+  mount -t btrfs -o loop "$img" "$pool" || die "mounting the pool of $zone ($img)"
 done
 
 # The values' host paths assume the repository at /work/main.

@@ -103,7 +103,7 @@ fi
 # The driver's storage (pools, node state, NFS images, ganesha's files): a cluster starts with
 # empty etcd, so volumes recorded there would be orphans. Unmount what is still mounted below
 # it, detach the loop devices backed by its files, then delete it (KEEP_STATE=1 keeps it).
-# The loop devices of volume images go first: they keep the pools' xfs (its own loop device,
+# The loop devices of volume images go first: they keep the pools' btrfs (its own loop device,
 # released by its unmount) busy.
 MG="$BUILD/modeguard-local"
 # shellcheck source=pool-loops.sh

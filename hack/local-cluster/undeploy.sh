@@ -56,7 +56,7 @@ log "no modeguard volume or snapshot left"
 # With every volume deleted, nothing of the driver's may still be attached or mounted on the
 # host: a loop device or mount left here is a leak of the driver's, reported, not cleaned
 # (down.sh cleans up after a failed run).
-# The pools' own xfs (deploy.sh: pool-<zone>.img mounted at pools/<zone>) are the driver's
+# The pools' own btrfs (deploy.sh: pool-<zone>.img mounted at pools/<zone>) are the driver's
 # storage, not leaks.
 MG="$BUILD/modeguard-local/"
 # shellcheck source=pool-loops.sh

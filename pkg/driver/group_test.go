@@ -187,3 +187,42 @@ func (e *env) listSnapshots(t *testing.T) []*csi.Snapshot {
 	}
 	return out
 }
+
+// TestGroupSnapshotParameters: a group asked with the deletionPolicy
+// parameter Kubernetes' e2e framework copies from its
+// VolumeGroupSnapshotClass (Delete or Retain) is made as without it; a
+// value that is no policy, and any other key outside csi.storage.k8s.io/,
+// is refused before anything is taken.
+func TestGroupSnapshotParameters(t *testing.T) {
+	e := newEnv(t, 0)
+	gc := csi.NewGroupControllerClient(e.conn)
+	c := blockCap(accessmode.SingleNodeWriter)
+	a, b := e.createVolume(t, "par-a", c), e.createVolume(t, "par-b", c)
+	for _, policy := range []string{"Delete", "Retain"} {
+		resp, err := gc.CreateVolumeGroupSnapshot(ctx(t), &csi.CreateVolumeGroupSnapshotRequest{
+			Name: "policy-" + policy, SourceVolumeIds: []string{a, b},
+			Parameters: map[string]string{"deletionPolicy": policy, "csi.storage.k8s.io/volumegroupsnapshot/name": "vgs"},
+		})
+		if err != nil {
+			t.Fatalf("a group with deletionPolicy %s: %v", policy, err)
+		}
+		g := resp.GetGroupSnapshot()
+		if !g.GetReadyToUse() || len(g.GetSnapshots()) != 2 {
+			t.Errorf("a group with deletionPolicy %s: ready %v, %d members; want ready, 2", policy, g.GetReadyToUse(), len(g.GetSnapshots()))
+		}
+		if _, err := gc.DeleteVolumeGroupSnapshot(ctx(t), &csi.DeleteVolumeGroupSnapshotRequest{GroupSnapshotId: g.GetGroupSnapshotId()}); err != nil {
+			t.Fatalf("DeleteVolumeGroupSnapshot: %v", err)
+		}
+	}
+	for _, params := range []map[string]string{{"deletionPolicy": "Sometimes"}, {"retention": "7d"}} {
+		_, err := gc.CreateVolumeGroupSnapshot(ctx(t), &csi.CreateVolumeGroupSnapshotRequest{
+			Name: "refused", SourceVolumeIds: []string{a, b}, Parameters: params,
+		})
+		if status.Code(err) != codes.InvalidArgument {
+			t.Errorf("a group with parameters %v: %v, want InvalidArgument", params, err)
+		}
+	}
+	if left := len(e.listSnapshots(t)); left != 0 {
+		t.Errorf("%d snapshots left after the groups were deleted or refused", left)
+	}
+}

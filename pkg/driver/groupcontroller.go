@@ -178,14 +178,30 @@ func groupSources(raw []string) ([]volumeid.ID, error) {
 	return ids, nil
 }
 
+// groupDeletionPolicyParam is accepted in a group snapshot's parameters and
+// ignored: Kubernetes' e2e framework (test/e2e/storage/utils,
+// GenerateVolumeGroupSnapshotClassSpec, v1.35) makes its
+// VolumeGroupSnapshotClasses with the class's deletionPolicy copied into
+// their parameters too, which csi-snapshotter passes on. What the policy
+// asks, deleting or keeping a group with its VolumeGroupSnapshot, Kubernetes
+// does; only a value that is no policy is refused.
+const groupDeletionPolicyParam = "deletionPolicy"
+
 func (s *groupControllerServer) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateVolumeGroupSnapshotRequest) (*csi.CreateVolumeGroupSnapshotResponse, error) {
 	if req.GetName() == "" {
 		return nil, status.Error(codes.InvalidArgument, "name is required")
 	}
-	for k := range req.GetParameters() {
+	for k, v := range req.GetParameters() {
+		if k == groupDeletionPolicyParam {
+			if v != "Delete" && v != "Retain" {
+				return nil, status.Errorf(codes.InvalidArgument,
+					"group snapshot parameter %s is %q; a class's deletion policy is Delete or Retain", k, v)
+			}
+			continue
+		}
 		if !strings.HasPrefix(k, kubernetesParamPrefix) {
 			return nil, status.Errorf(codes.InvalidArgument,
-				"group snapshot parameter %q is not known; group snapshots accept only keys starting with %q", k, kubernetesParamPrefix)
+				"group snapshot parameter %q is not known; group snapshots accept only keys starting with %q and %s", k, kubernetesParamPrefix, groupDeletionPolicyParam)
 		}
 	}
 	sources, err := groupSources(req.GetSourceVolumeIds())
