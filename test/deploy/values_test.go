@@ -408,6 +408,9 @@ func TestChartREADMEListsEveryValue(t *testing.T) {
 	}
 }
 
+// ianaServiceName is what Kubernetes accepts as a port's name.
+var ianaServiceName = regexp.MustCompile(`^[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$`)
+
 // TestChartServesSnapshotMetadata: where the cluster serves the
 // SnapshotMetadataService CRD, the controller pod runs the
 // csi-snapshot-metadata sidecar on the driver's socket, serving the chart's
@@ -539,6 +542,20 @@ func TestChartServesSnapshotMetadata(t *testing.T) {
 			}
 			if port := get(t, objs["Service/modeguard/modeguard-snapshot-metadata"], "spec", "ports", 0, "port"); fmt.Sprint(port) != "50051" {
 				t.Errorf("the Service's port is %v", port)
+			}
+			// Kubernetes refuses a port name that is no IANA service name
+			// (at most 15 characters), which helm template does not check.
+			target := get(t, objs["Service/modeguard/modeguard-snapshot-metadata"], "spec", "ports", 0, "targetPort")
+			var named bool
+			for _, p := range sidecar["ports"].([]any) {
+				name, _ := p.(map[string]any)["name"].(string)
+				if !ianaServiceName.MatchString(name) {
+					t.Errorf("the sidecar's port name %q is no IANA service name", name)
+				}
+				named = named || name == target
+			}
+			if !named {
+				t.Errorf("the Service targets port %v, which the sidecar does not name", target)
 			}
 			subject := get(t, objs["ClusterRoleBinding/<nil>/modeguard-snapshot-metadata"], "subjects", 0, "name")
 			if subject != "modeguard-controller" || spec["serviceAccountName"] != "modeguard-controller" {
