@@ -11,6 +11,15 @@
 # Not on the proxy, so NOT built here: csi-node-driver-registrar and
 # livenessprobe (see hack/images/README.md).
 #
+# csi-snapshot-metadata (external-snapshot-metadata) is built from a module
+# of this repository, hack/snapshot-metadata, whose go.mod and go.sum pin it
+# and every dependency: its own go.mod replaces its client module with
+# ./client, and the proxy has no client module of the same version to put
+# there (v0.2.0 needs client v0.1.0), so it cannot be built as the main
+# module like the others. Its image tag is the chart's
+# (snapshotMetadata.image), as the kustomize base has no such sidecar; its
+# CRD (SnapshotMetadataService) goes to crds/ with the others.
+#
 # Also from external-snapshotter, for the local cluster (hack/local-cluster),
 # which runs them itself as parts of the cluster rather than of the driver:
 # the snapshot-controller binary (no image) and the snapshot CRDs, copied
@@ -50,16 +59,21 @@ NO_IMAGE=" snapshot-controller "
 log() { printf '[sidecars %s] %s\n' "$(date +%T)" "$*" >&2; }
 
 # The built sidecars live in the machine's cache (hack/cache.sh), keyed by
-# this script (their versions) and the Go toolchain.
+# this script (their versions), hack/snapshot-metadata's pins and the Go
+# toolchain.
 # shellcheck source=../cache.sh
 source "$ROOT/hack/cache.sh"
-cache_dir sidecars "$WORK" "${BASH_SOURCE[0]}"
+SNAPSHOT_METADATA_MODULE=$ROOT/hack/snapshot-metadata
+cache_dir sidecars "$WORK" "${BASH_SOURCE[0]}" "$SNAPSHOT_METADATA_MODULE/go.mod" "$SNAPSHOT_METADATA_MODULE/go.sum"
 
-# The tag the manifests expect for registry.k8s.io/sig-storage/<name>.
+# The tag the manifests expect for registry.k8s.io/sig-storage/<name>; for a
+# sidecar the kustomize base does not run, the chart's default.
 manifest_ref() {
   local name=$1 ref
   ref=$(grep -ho "registry.k8s.io/sig-storage/$name:[^\" ]*" \
     "$ROOT"/deploy/kubernetes/base/controller.yaml "$ROOT"/deploy/kubernetes/base/node/daemonset.yaml | head -1)
+  [[ -n $ref ]] || ref=$(sed -n "s#.*repository: \(registry.k8s.io/sig-storage/$name\), tag: \([^,}]*\).*#\1:\2#p" \
+    "$ROOT"/deploy/helm/modeguard/values.yaml | head -1)
   [[ -n $ref ]] || { echo "no image for $name in the manifests" >&2; return 1; }
   echo "$ref"
 }
@@ -93,6 +107,32 @@ build_one() {
   echo "$ver" >"$WORK/bin/$name.version"
 }
 
+# The version of module $1 that hack/snapshot-metadata requires.
+pinned() {
+  (cd "$SNAPSHOT_METADATA_MODULE" && GOFLAGS=-mod=mod "$GO" list -m -f '{{.Version}}' "$1")
+}
+
+build_snapshot_metadata() {
+  local mod=github.com/kubernetes-csi/external-snapshot-metadata ver
+  ver=$(pinned "$mod") || { log "hack/snapshot-metadata: no $mod"; return 1; }
+  if [[ -x $WORK/bin/csi-snapshot-metadata && $(cat "$WORK/bin/csi-snapshot-metadata.version" 2>/dev/null) == "$ver" ]]; then
+    log "csi-snapshot-metadata $ver: cached"
+  else
+    log "building csi-snapshot-metadata from $mod@$ver (hack/snapshot-metadata)"
+    (cd "$SNAPSHOT_METADATA_MODULE" && CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false" GOTOOLCHAIN=local \
+       "$GO" build -trimpath -ldflags "-s -w -X main.version=$ver" -o "$WORK/bin/csi-snapshot-metadata" "$mod/cmd/csi-snapshot-metadata") ||
+      return 1
+    echo "$ver" >"$WORK/bin/csi-snapshot-metadata.version"
+  fi
+  local cdir
+  cdir=$(moddir "$mod/client" "$(pinned "$mod/client")")
+  [[ -f $cdir/config/crd/cbt.storage.k8s.io_snapshotmetadataservices.yaml ]] ||
+    { log "no SnapshotMetadataService CRD in $mod/client"; return 1; }
+  mkdir -p "$WORK/crds"
+  cp "$cdir/config/crd/cbt.storage.k8s.io_snapshotmetadataservices.yaml" "$WORK/crds/"
+  chmod u+w "$WORK"/crds/*.yaml
+}
+
 binaries() {
   mkdir -p "$WORK/bin"
   local s name mod ver rc=0
@@ -103,6 +143,7 @@ binaries() {
     fi
     build_one "$name" "$mod" "$ver" || { log "FAILED: $name $ver"; rc=1; }
   done
+  build_snapshot_metadata || { log "FAILED: csi-snapshot-metadata"; rc=1; }
   crds || rc=1
   return $rc
 }
@@ -125,7 +166,8 @@ images() {
   buildah inspect --type image "$BASE_IMAGE" >/dev/null 2>&1 ||
     { echo "base image $BASE_IMAGE missing: run hack/images/base.sh" >&2; exit 1; }
   local s name mod ver ref tag ctr archive
-  for s in "${SIDECARS[@]}"; do
+  for s in "${SIDECARS[@]}" \
+    "csi-snapshot-metadata github.com/kubernetes-csi/external-snapshot-metadata $(cat "$WORK/bin/csi-snapshot-metadata.version" 2>/dev/null)"; do
     read -r name mod ver <<<"$s"
     [[ $NO_IMAGE == *" $name "* ]] && continue
     [[ -x $WORK/bin/$name ]] || { log "no binary for $name, skipped"; continue; }

@@ -144,7 +144,9 @@ start kube-scheduler kube-scheduler \
 # ---------------------------------------------------------------- snapshots
 # The VolumeSnapshot and VolumeGroupSnapshot CRDs and the snapshot-controller, built by hack/images/sidecars.sh from
 # external-snapshotter: cluster parts (a CSI driver ships only the csi-snapshotter sidecar),
-# run here like the other controllers.
+# run here like the other controllers. With them the SnapshotMetadataService CRD of
+# external-snapshot-metadata, also a cluster part: the chart then runs the
+# csi-snapshot-metadata sidecar (snapshotMetadata.enabled auto) and makes the driver's object.
 SNAP="$BUILD/images/sidecars"
 if [[ -x "$SNAP/bin/snapshot-controller" ]] && compgen -G "$SNAP/crds/*.yaml" >/dev/null; then
   log "VolumeSnapshot CRDs and snapshot-controller"
@@ -154,6 +156,10 @@ if [[ -x "$SNAP/bin/snapshot-controller" ]] && compgen -G "$SNAP/crds/*.yaml" >/
     crd/volumesnapshotclasses.snapshot.storage.k8s.io \
     crd/volumegroupsnapshots.groupsnapshot.storage.k8s.io crd/volumegroupsnapshotcontents.groupsnapshot.storage.k8s.io \
     crd/volumegroupsnapshotclasses.groupsnapshot.storage.k8s.io >/dev/null
+  if [[ -f $SNAP/crds/cbt.storage.k8s.io_snapshotmetadataservices.yaml ]]; then
+    "${KUBECTL[@]}" wait --for=condition=Established --timeout="${WAIT}s" \
+      crd/snapshotmetadataservices.cbt.storage.k8s.io >/dev/null
+  fi
   # Volume group snapshots are beta in the snapshotter, off unless asked for.
   start snapshot-controller "$SNAP/bin/snapshot-controller" --kubeconfig="$C/admin.kubeconfig" \
     --leader-election=false --v=1

@@ -407,3 +407,160 @@ func TestChartREADMEListsEveryValue(t *testing.T) {
 		}
 	}
 }
+
+// ianaServiceName is what Kubernetes accepts as a port's name.
+var ianaServiceName = regexp.MustCompile(`^[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$`)
+
+// TestChartServesSnapshotMetadata: where the cluster serves the
+// SnapshotMetadataService CRD, the controller pod runs the
+// csi-snapshot-metadata sidecar on the driver's socket, serving the chart's
+// certificate, and the driver's SnapshotMetadataService tells clients the
+// address to dial and the CA to trust: a CA under which the sidecar's
+// certificate is valid for that address, the Service's name by default,
+// the address's IP when one is set. Without the CRD, or without the
+// snapshotter, nothing of it is rendered; enabled false renders nothing
+// even with the CRD.
+func TestChartServesSnapshotMetadata(t *testing.T) {
+	const (
+		crd      = "cbt.storage.k8s.io/v1alpha1/SnapshotMetadataService"
+		snapshot = "snapshot.storage.k8s.io/v1/VolumeSnapshotClass"
+		sms      = "SnapshotMetadataService/<nil>/modeguard.csi.dev"
+	)
+	for _, tc := range []struct {
+		name   string
+		args   []string
+		served bool
+	}{
+		{"a bare cluster", nil, false},
+		{"the snapshot CRDs only", []string{"--api-versions", snapshot}, false},
+		{"the CRD, without the snapshotter", []string{"--api-versions", crd, "--set", "sidecars.snapshotter.enabled=false"}, false},
+		{"the CRD, enabled false", []string{"--api-versions", crd, "--set", "snapshotMetadata.enabled=false"}, false},
+		{"enabled true without the CRD", []string{"--set", "snapshotMetadata.enabled=true"}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			objs := helmTemplate(t, tc.args...)
+			controller := containersOf(get(t, objs["Deployment/modeguard/modeguard-controller"], "spec", "template", "spec").(map[string]any))
+			if _, ok := controller["csi-snapshot-metadata"]; ok != tc.served {
+				t.Errorf("csi-snapshot-metadata sidecar rendered: %v, want %v", ok, tc.served)
+			}
+			if _, ok := objs[sms]; ok != tc.served {
+				t.Errorf("SnapshotMetadataService rendered: %v, want %v", ok, tc.served)
+			}
+		})
+	}
+
+	decodeCert := func(t *testing.T, b64 string) *x509.Certificate {
+		t.Helper()
+		raw, err := base64.StdEncoding.DecodeString(b64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		block, _ := pem.Decode(raw)
+		if block == nil {
+			t.Fatalf("no PEM: %q", raw)
+		}
+		c, err := x509.ParseCertificate(block.Bytes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	for _, tc := range []struct {
+		name, address, wantAddress, verifyName string
+	}{
+		{"the Service", "", "modeguard-snapshot-metadata.modeguard.svc:50051", "modeguard-snapshot-metadata.modeguard.svc"},
+		{"an address of a node", "127.0.0.1:50051", "127.0.0.1:50051", "127.0.0.1"},
+		{"a name of the operator's", "backup.example.com:443", "backup.example.com:443", "backup.example.com"},
+	} {
+		t.Run("dialled at "+tc.name, func(t *testing.T) {
+			args := []string{"--api-versions", crd}
+			if tc.address != "" {
+				args = append(args, "--set", "snapshotMetadata.address="+tc.address)
+			}
+			objs := helmTemplate(t, args...)
+			service := objs[sms]
+			if service == nil {
+				t.Fatalf("no %s", sms)
+			}
+			if got := get(t, service, "spec", "address"); got != tc.wantAddress {
+				t.Errorf("the SnapshotMetadataService's address is %v, want %s", got, tc.wantAddress)
+			}
+			if got := get(t, service, "spec", "audience"); got != "snapshot-metadata.modeguard.csi.dev" {
+				t.Errorf("the SnapshotMetadataService's audience is %v", got)
+			}
+			ca := decodeCert(t, get(t, service, "spec", "caCert").(string))
+			if caSecret := objs["Secret/modeguard/modeguard-snapshot-metadata-ca"]; caSecret == nil ||
+				!decodeCert(t, get(t, caSecret, "data", "tls.crt").(string)).Equal(ca) {
+				t.Error("the SnapshotMetadataService hands out another CA than the chart's modeguard-snapshot-metadata-ca")
+			}
+			tlsSecret := objs["Secret/modeguard/modeguard-snapshot-metadata-tls"]
+			if tlsSecret == nil {
+				t.Fatal("no Secret modeguard-snapshot-metadata-tls")
+			}
+			pool := x509.NewCertPool()
+			pool.AddCert(ca)
+			leaf := decodeCert(t, get(t, tlsSecret, "data", "tls.crt").(string))
+			if _, err := leaf.Verify(x509.VerifyOptions{Roots: pool, DNSName: tc.verifyName,
+				KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}); err != nil {
+				t.Errorf("the sidecar's certificate does not serve %s for the SnapshotMetadataService's CA: %v", tc.verifyName, err)
+			}
+
+			spec := get(t, objs["Deployment/modeguard/modeguard-controller"], "spec", "template", "spec").(map[string]any)
+			containers := containersOf(spec)
+			sidecar, driver := containers["csi-snapshot-metadata"], containers["modeguard"]
+			if sidecar == nil {
+				t.Fatal("no csi-snapshot-metadata container in the controller pod")
+			}
+			if image := sidecar["image"]; image != "registry.k8s.io/sig-storage/csi-snapshot-metadata:v0.2.0" {
+				t.Errorf("the sidecar runs %v", image)
+			}
+			for _, want := range []string{"--csi-address=/csi/csi.sock", "--port=50051",
+				"--tls-cert=/etc/snapshot-metadata/tls/tls.crt", "--tls-key=/etc/snapshot-metadata/tls/tls.key"} {
+				if !slices.Contains(sidecar["args"].([]any), any(want)) {
+					t.Errorf("the sidecar's arguments %v lack %s", sidecar["args"], want)
+				}
+			}
+			if !strings.Contains(fmt.Sprint(driver["args"]), "--endpoint=unix:///csi/csi.sock") {
+				t.Errorf("the driver does not serve /csi/csi.sock, which the sidecar dials: %v", driver["args"])
+			}
+			mounts := map[string]string{}
+			for _, m := range sidecar["volumeMounts"].([]any) {
+				m := m.(map[string]any)
+				mounts[m["mountPath"].(string)] = m["name"].(string)
+			}
+			if mounts["/csi"] != "socket-dir" || mounts["/etc/snapshot-metadata/tls"] != "snapshot-metadata-tls" {
+				t.Errorf("the sidecar mounts %v, want socket-dir at /csi and snapshot-metadata-tls at /etc/snapshot-metadata/tls", mounts)
+			}
+			var secretName any
+			for _, v := range spec["volumes"].([]any) {
+				if v := v.(map[string]any); v["name"] == "snapshot-metadata-tls" {
+					secretName = get(t, v, "secret", "secretName")
+				}
+			}
+			if secretName != "modeguard-snapshot-metadata-tls" {
+				t.Errorf("the sidecar's certificate volume is Secret %v, want modeguard-snapshot-metadata-tls", secretName)
+			}
+			if port := get(t, objs["Service/modeguard/modeguard-snapshot-metadata"], "spec", "ports", 0, "port"); fmt.Sprint(port) != "50051" {
+				t.Errorf("the Service's port is %v", port)
+			}
+			// Kubernetes refuses a port name that is no IANA service name
+			// (at most 15 characters), which helm template does not check.
+			target := get(t, objs["Service/modeguard/modeguard-snapshot-metadata"], "spec", "ports", 0, "targetPort")
+			var named bool
+			for _, p := range sidecar["ports"].([]any) {
+				name, _ := p.(map[string]any)["name"].(string)
+				if !ianaServiceName.MatchString(name) {
+					t.Errorf("the sidecar's port name %q is no IANA service name", name)
+				}
+				named = named || name == target
+			}
+			if !named {
+				t.Errorf("the Service targets port %v, which the sidecar does not name", target)
+			}
+			subject := get(t, objs["ClusterRoleBinding/<nil>/modeguard-snapshot-metadata"], "subjects", 0, "name")
+			if subject != "modeguard-controller" || spec["serviceAccountName"] != "modeguard-controller" {
+				t.Errorf("the sidecar's RBAC is bound to %v, the pod runs as %v", subject, spec["serviceAccountName"])
+			}
+		})
+	}
+}

@@ -22,6 +22,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -313,6 +314,12 @@ func (c *cluster) createOne(obj runtime.Object) error {
 		_, err = c.cs.CoreV1().Pods(c.ns).Create(ctx, o, opts)
 	case *corev1.Service:
 		_, err = c.cs.CoreV1().Services(c.ns).Create(ctx, o, opts)
+	case *corev1.ServiceAccount:
+		_, err = c.cs.CoreV1().ServiceAccounts(c.ns).Create(ctx, o, opts)
+	case *rbacv1.Role:
+		_, err = c.cs.RbacV1().Roles(c.ns).Create(ctx, o, opts)
+	case *rbacv1.RoleBinding:
+		_, err = c.cs.RbacV1().RoleBindings(c.ns).Create(ctx, o, opts)
 	case *storagev1.StorageClass:
 		_, err = c.cs.StorageV1().StorageClasses().Create(ctx, o, opts)
 		if err == nil {

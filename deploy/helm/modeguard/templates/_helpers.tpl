@@ -106,3 +106,14 @@ nodes' zone label (none when rendering without a cluster), comma-separated.
 {{- end }}
 {{- join "," (sortAlpha $out) }}
 {{- end -}}
+
+{{/*
+"true" where the csi-snapshot-metadata sidecar runs: snapshotMetadata.enabled
+true; or auto, the snapshotter running and the cluster serving the
+SnapshotMetadataService CRD (which the sidecar reads on every call).
+*/}}
+{{- define "modeguard.snapshotMetadata" -}}
+{{- $e := toString .Values.snapshotMetadata.enabled }}
+{{- $served := .Capabilities.APIVersions.Has "cbt.storage.k8s.io/v1alpha1/SnapshotMetadataService" }}
+{{- if or (eq $e "true") (and (eq $e "auto") $served .Values.sidecars.snapshotter.enabled) }}true{{ end }}
+{{- end -}}
