@@ -171,27 +171,23 @@ func formatsFromTemplate(vol *backend.Volume) bool {
 // fillFromTemplate gives the empty image dst the filesystem of a template
 // of its size, with a new UUID.
 func (s *templateSet) fillFromTemplate(ctx context.Context, p *pool, fsType string, size int64, dst string) error {
-	err := s.copyTemplate(ctx, p, fsType, size, dst)
+	uuid := newUUID()
+	err := s.copyTemplate(ctx, p, fsType, size, dst, uuid)
 	if errors.Is(err, errTemplateGone) {
 		// Removed behind the controller's back: made again.
-		err = s.copyTemplate(ctx, p, fsType, size, dst)
+		err = s.copyTemplate(ctx, p, fsType, size, dst, uuid)
 	}
-	if err != nil {
-		return err
-	}
-	if err := setExt4UUID(dst, newUUID()); err != nil {
-		return status.Errorf(codes.Internal, "giving the new filesystem its own UUID: %v", err)
-	}
-	return nil
+	return err
 }
 
 // errTemplateGone: a template's file went away while it was known.
 var errTemplateGone = errors.New("the template's file is gone")
 
-// copyTemplate copies the template of fsType and size into dst. A clone
-// shares the template's extents where the pool has reflinks; elsewhere
-// only the few hundred KiB a fresh filesystem holds are copied.
-func (s *templateSet) copyTemplate(ctx context.Context, p *pool, fsType string, size int64, dst string) error {
+// copyTemplate copies the template of fsType and size into dst and gives
+// the copy uuid, while the template is held (its superblocks are read from
+// it). A clone shares the template's extents where the pool has reflinks;
+// elsewhere only the few hundred KiB a fresh filesystem holds are copied.
+func (s *templateSet) copyTemplate(ctx context.Context, p *pool, fsType string, size int64, dst string, uuid [16]byte) error {
 	t, release, err := s.acquire(ctx, p, fsType, size)
 	if err != nil {
 		return err
@@ -201,14 +197,16 @@ func (s *templateSet) copyTemplate(ctx context.Context, p *pool, fsType string, 
 	if errors.Is(err, errNoReflink) {
 		err = copyDataRuns(t.path, dst)
 	}
+	if err != nil {
+		err = status.Errorf(codes.Internal, "copying the %s template: %v", fsType, err)
+	} else if uerr := setExt4UUID(t.path, dst, uuid); uerr != nil {
+		err = status.Errorf(codes.Internal, "giving the new filesystem its own UUID: %v", uerr)
+	}
 	if _, serr := os.Stat(t.path); err != nil && errors.Is(serr, os.ErrNotExist) {
 		s.forget(t)
 		return errTemplateGone
 	}
-	if err != nil {
-		return status.Errorf(codes.Internal, "copying the %s template: %v", fsType, err)
-	}
-	return nil
+	return err
 }
 
 // forget drops a template whose file is gone, so that the next use makes
@@ -460,33 +458,45 @@ func readExt4Super(path string) (sb ext4Super, ok bool, err error) {
 	return sb, sb.isExt4(), nil
 }
 
-// setExt4UUID gives the unmounted ext4 filesystem in image a new UUID, in
-// its primary superblock and in every backup that carries the old one, as
-// tune2fs -U does. It refuses a filesystem whose metadata checksums are
-// seeded with the UUID (metadata_csum without metadata_csum_seed): every
-// checksum would change with it.
-func setExt4UUID(image string, uuid [16]byte) error {
-	f, err := os.OpenFile(image, os.O_RDWR, 0)
+// setExt4UUID gives the unmounted ext4 filesystem in dst, a copy of the
+// one in src, a new UUID, in its primary superblock and in every backup
+// that carries the old one, as tune2fs -U does. It refuses a filesystem
+// whose metadata checksums are seeded with the UUID (metadata_csum without
+// metadata_csum_seed): every checksum would change with it.
+//
+// What it reads comes from src, a template whose pages stay in memory from
+// one create to the next; what it writes to dst are whole pages. The new
+// image's own pages are in no cache yet (a clone shares the template's
+// blocks, not its pages), so reading a superblock from dst, or writing part
+// of a page of it, would wait for the disk: on a busy pool those reads were
+// where creates in flight spent their time.
+func setExt4UUID(src, dst string, uuid [16]byte) error {
+	in, err := os.Open(src)
 	if err != nil {
 		return err
 	}
-	defer f.Close()
+	defer in.Close()
+	out, err := os.OpenFile(dst, os.O_RDWR, 0)
+	if err != nil {
+		return err
+	}
+	defer out.Close()
 	primary := make(ext4Super, ext4SuperSize)
-	if _, err := f.ReadAt(primary, ext4SuperOffset); err != nil {
+	if _, err := in.ReadAt(primary, ext4SuperOffset); err != nil {
 		return err
 	}
 	if !primary.isExt4() {
-		return fmt.Errorf("%s holds no ext4 filesystem", filepath.Base(image))
+		return fmt.Errorf("%s holds no ext4 filesystem", filepath.Base(src))
 	}
 	if primary.u32(sbFeatureROCompat)&roCompatMetadataCsum != 0 && primary.u32(sbFeatureIncompat)&incompatCsumSeed == 0 {
-		return fmt.Errorf("%s has metadata checksums seeded with its UUID (no metadata_csum_seed)", filepath.Base(image))
+		return fmt.Errorf("%s has metadata checksums seeded with its UUID (no metadata_csum_seed)", filepath.Base(src))
 	}
 	old := string(primary[sbUUID : sbUUID+16])
 	blockSize := primary.blockSize()
 	perGroup := int64(primary.u32(sbBlocksPerGroup))
 	first := int64(primary.u32(sbFirstDataBlock))
 	if perGroup <= 0 {
-		return fmt.Errorf("%s: superblock names no blocks per group", filepath.Base(image))
+		return fmt.Errorf("%s: superblock names no blocks per group", filepath.Base(src))
 	}
 	groups := (primary.blockCount() - first + perGroup - 1) / perGroup
 	offsets := []int64{ext4SuperOffset}
@@ -498,21 +508,25 @@ func setExt4UUID(image string, uuid [16]byte) error {
 			}
 		}
 	}
-	sb := make(ext4Super, ext4SuperSize)
+	// A page holds at most one superblock: groups are at least 8 MiB apart.
+	pageSize := int64(os.Getpagesize())
+	page := make([]byte, pageSize)
 	for _, off := range offsets {
-		if _, err := f.ReadAt(sb, off); err != nil {
+		pageStart := off - off%pageSize
+		if _, err := in.ReadAt(page, pageStart); err != nil {
 			return err
 		}
+		sb := ext4Super(page[off-pageStart : off-pageStart+ext4SuperSize])
 		if sb.u16(sbMagic) != ext4Magic || string(sb[sbUUID:sbUUID+16]) != old {
 			continue // not a backup (sparse_super2 keeps them elsewhere)
 		}
 		copy(sb[sbUUID:], uuid[:])
 		sb.sealChecksum()
-		if _, err := f.WriteAt(sb, off); err != nil {
+		if _, err := out.WriteAt(page, pageStart); err != nil {
 			return err
 		}
 	}
-	return f.Close()
+	return out.Close()
 }
 
 // hasBackupSuper: with sparse_super, groups 1 and the powers of 3, 5 and
