@@ -71,12 +71,19 @@ func (b *bench) startBlockPair(ctx context.Context, name string) (*blockPair, er
 // install has it (--block-pool-filesystem=auto): in the work directory,
 // whose filesystem has no reflinks, the driver keeps an xfs with reflinks.
 func (b *bench) startDefaultBlockPair(ctx context.Context, name string) (*blockPair, error) {
+	return b.startKeptBlockPair(ctx, name)
+}
+
+// startKeptBlockPair is startBlockPair with the pool in the work directory
+// and the driver's --block-pool-filesystem given by extra (none: the
+// default).
+func (b *bench) startKeptBlockPair(ctx context.Context, name string, extra ...string) (*blockPair, error) {
 	dir := b.dir(name)
 	pool := filepath.Join(dir, "pool")
 	if err := os.MkdirAll(pool, 0o700); err != nil {
 		return nil, err
 	}
-	return b.startBlockPairIn(ctx, dir, pool)
+	return b.startBlockPairIn(ctx, dir, pool, extra...)
 }
 
 // startBlockPairVia is startBlockPair with, when viaTarget, the pool owned
@@ -371,6 +378,9 @@ func concurrency(ctx context.Context, b *bench) ([]row, error) {
 	}{
 		{"pool directory on the disk", b.startBlockPair},
 		{"default pool (kept xfs)", b.startDefaultBlockPair},
+		{"kept btrfs", func(ctx context.Context, name string) (*blockPair, error) {
+			return b.startKeptBlockPair(ctx, name, "--block-pool-filesystem=btrfs")
+		}},
 	} {
 		p, err := pool.start(ctx, "concurrency")
 		if err != nil {

@@ -147,16 +147,16 @@ func snapshotsOn(ctx context.Context, b *bench, name string, pf poolFilesystem) 
 
 // startBlockPairIn starts a controller and a node plugin on the pool
 // directory given, their own state under dir.
-func (b *bench) startBlockPairIn(ctx context.Context, dir, pool string) (*blockPair, error) {
+func (b *bench) startBlockPairIn(ctx context.Context, dir, pool string, extra ...string) (*blockPair, error) {
 	poolArg := "--block-pool=" + zone + "=" + pool
 	ctrl, err := b.plugin(ctx, "controller", filepath.Join(dir, "controller"),
-		"--roles", "controller", poolArg, "--max-volumes-per-node", "100000")
+		append([]string{"--roles", "controller", poolArg, "--max-volumes-per-node", "100000"}, extra...)...)
 	if err != nil {
 		return nil, err
 	}
 	node, err := b.plugin(ctx, "node", filepath.Join(dir, "node"),
-		"--roles", "node", "--node-id", nodeName, "--zone", zone, poolArg,
-		"--state-dir", filepath.Join(dir, "node", "state"), "--max-volumes-per-node", "100000")
+		append([]string{"--roles", "node", "--node-id", nodeName, "--zone", zone, poolArg,
+			"--state-dir", filepath.Join(dir, "node", "state"), "--max-volumes-per-node", "100000"}, extra...)...)
 	if err != nil {
 		return nil, err
 	}
