@@ -59,11 +59,15 @@ func WriteFileAtomic(path string, data []byte, perm os.FileMode) error {
 // disk's cache, into a few.
 //
 // Below a root registered with ShareSyncsUnder the sync is that root's
-// shared syncfs.
+// shared syncfs while other syncs are under way there.
 func SyncDir(dir string) error {
 	if r := sharedRootOf(dir); r != nil {
-		return r.syncShared()
+		return r.sync(func() error { return syncDirGrouped(dir) })
 	}
+	return syncDirGrouped(dir)
+}
+
+func syncDirGrouped(dir string) error {
 	g := dirSyncs.enter(dir)
 	defer dirSyncs.leave(dir, g)
 	return g.sync(func() error { return fsyncDir(dir) })

@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 )
@@ -15,9 +16,13 @@ import (
 // that filesystem and flushes the disk once, so calls that each had a
 // file and a directory to make durable wait together for one syncfs
 // started after their changes (a group commit, as SyncDir's) instead of
-// queueing a flush each. Where the directory shares its filesystem with
-// the rest of a host, a syncfs would write back the host's data too, and
-// per-file fsyncs are kept.
+// queueing a flush each. A caller that finds no other sync under way
+// there syncs its own file or directory instead: alone, that is the
+// cheaper of the two (on btrfs a syncfs commits a whole transaction,
+// where an fsync writes its file's log), and there is no one to share
+// with. Where the directory shares its filesystem with the rest of a
+// host, a syncfs would write back the host's data too, and per-file
+// fsyncs are kept.
 
 // sharedRoot is a directory registered with ShareSyncsUnder.
 type sharedRoot struct {
@@ -27,6 +32,8 @@ type sharedRoot struct {
 	// opened, so a file opened later would miss an earlier error.
 	fd    *os.File
 	group *syncGroup
+	// inFlight counts the callers syncing below the root right now.
+	inFlight atomic.Int64
 }
 
 var sharedRoots struct {
@@ -68,20 +75,27 @@ func sharedRootOf(path string) *sharedRoot {
 	return nil
 }
 
-// syncShared waits for a syncfs of r's filesystem that starts after the
-// call.
-func (r *sharedRoot) syncShared() error {
+// sync makes a change below r durable: by own, the change's own sync,
+// when no other caller is syncing below r, else by waiting for a syncfs
+// of r's filesystem that starts after the call.
+func (r *sharedRoot) sync(own func() error) error {
+	others := r.inFlight.Add(1) - 1
+	defer r.inFlight.Add(-1)
+	if others == 0 {
+		return own()
+	}
 	return r.group.sync(func() error { return syncfs(int(r.fd.Fd())) })
 }
 
 // syncfs is the sync itself; a test replaces it to count syncs.
 var syncfs = unix.Syncfs
 
-// SyncFile makes f's data and metadata durable: a shared syncfs below a
-// root registered with ShareSyncsUnder, else fsync.
+// SyncFile makes f's data and metadata durable: fsync, or a shared syncfs
+// below a root registered with ShareSyncsUnder while other syncs are
+// under way there.
 func SyncFile(f *os.File) error {
 	if r := sharedRootOf(f.Name()); r != nil {
-		return r.syncShared()
+		return r.sync(f.Sync)
 	}
 	return f.Sync()
 }

@@ -40,13 +40,29 @@ func shareForTest(t *testing.T, dir string) {
 	})
 }
 
-// TestSharedSyncsAreGrouped: below a shared root, many files made durable
-// at once cost a few syncfs calls, not one sync each; outside it and after
-// the root is let go, files are synced one by one as before.
+// busyFor makes a shared root look as if another caller were syncing
+// below it until the test ends (or the returned func is called).
+func busyFor(t *testing.T, root string) func() {
+	r := sharedRootOf(root)
+	if r == nil {
+		t.Fatalf("%s is not shared", root)
+	}
+	r.inFlight.Add(1)
+	var once sync.Once
+	done := func() { once.Do(func() { r.inFlight.Add(-1) }) }
+	t.Cleanup(done)
+	return done
+}
+
+// TestSharedSyncsAreGrouped: below a shared root where syncs are under
+// way, many files made durable at once cost a few syncfs calls, not one
+// sync each; outside it and after the root is let go, files are synced one
+// by one as before.
 func TestSharedSyncsAreGrouped(t *testing.T) {
 	root, outside := t.TempDir(), t.TempDir()
 	shareForTest(t, root)
 	calls := countSyncfs(t, nil)
+	busyFor(t, root)
 
 	const writers = 16
 	var wg sync.WaitGroup
@@ -92,6 +108,7 @@ func TestSharedSyncsAreGrouped(t *testing.T) {
 func TestSharedSyncFailureReachesItsCallers(t *testing.T) {
 	root := t.TempDir()
 	shareForTest(t, root)
+	busyFor(t, root)
 	broken := errors.New("writeback failed")
 	countSyncfs(t, func(n int64) error {
 		if n == 1 {
@@ -109,6 +126,38 @@ func TestSharedSyncFailureReachesItsCallers(t *testing.T) {
 	}
 	if err := SyncFile(f); err != nil {
 		t.Fatalf("SyncFile after it: %v", err)
+	}
+}
+
+// TestAloneBelowASharedRootSyncsItsOwn: a caller that finds no other sync
+// under way below a shared root syncs its own file and directory, with no
+// syncfs (cheaper alone, on btrfs by far); once another is under way, it
+// waits for a shared syncfs instead.
+func TestAloneBelowASharedRootSyncsItsOwn(t *testing.T) {
+	root := t.TempDir()
+	shareForTest(t, root)
+	calls := countSyncfs(t, nil)
+	for i := range 3 {
+		if err := WriteFileAtomic(filepath.Join(root, "alone"+strconv.Itoa(i)), []byte("x"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := calls.Load(); got != 0 {
+		t.Errorf("writes one at a time made %d syncfs calls, want none (their own fsyncs)", got)
+	}
+	done := busyFor(t, root)
+	if err := WriteFileAtomic(filepath.Join(root, "busy"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if got := calls.Load(); got != 2 {
+		t.Errorf("a write while another sync is under way made %d syncfs calls, want 2 (file, directory)", got)
+	}
+	done()
+	if err := WriteFileAtomic(filepath.Join(root, "after"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if got := calls.Load(); got != 2 {
+		t.Errorf("a write alone again made %d more syncfs calls", got-2)
 	}
 }
 
