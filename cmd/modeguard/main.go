@@ -194,11 +194,11 @@ func flagSet(o *options) *flag.FlagSet {
 	fs.Int64Var(&o.maxVolumes, "max-volumes-per-node", 128, "node: volumes this node may hold at once, reported in NodeGetInfo and in its node id; the controller refuses an attach beyond it (0: no limit)")
 	fs.Var(o.pools, "block-pool", "ZONE=DIR: a block pool this process may place or find volumes in (repeatable)")
 	fs.StringVar(&o.poolFilesystem, "block-pool-filesystem", block.PoolFilesystemAuto,
-		"how a --block-pool directory holds volumes: auto (where its filesystem has no reflinks, as ext4 and tmpfs, the driver keeps a sparse xfs with reflinks in it, "+
-			"so that snapshots and clones of volumes in use are instant clones; a directory with reflinks, with volumes of an earlier pool, or under 300 MiB is used as it is) "+
-			"btrfs (where its filesystem is not btrfs, the driver keeps a sparse btrfs in it, so that group snapshots of volumes being written are of one instant; "+
-			"a directory on btrfs, with volumes of an earlier pool, or under 300 MiB is used as it is) "+
-			"or direct (always as it is; snapshots and clones of volumes attached read-write are refused without reflinks). Every process of a zone must agree")
+		"how a --block-pool directory holds volumes. Where its filesystem has no reflinks (ext4, tmpfs), the driver keeps a sparse filesystem with reflinks in it, "+
+			"so that snapshots and clones of volumes in use are instant clones; a directory with reflinks, with volumes of an earlier pool, or under 300 MiB is used as it is. "+
+			"auto: a btrfs where this machine has mkfs.btrfs and btrfs in its kernel (group snapshots of volumes being written are then of one instant), else an xfs with reflinks; "+
+			"a kept image is mounted as whichever it holds. btrfs: always a btrfs (a directory on btrfs is used as it is). xfs: always an xfs with reflinks. "+
+			"direct: always as it is (snapshots and clones of volumes attached read-write are refused without reflinks). Every process of a zone must agree")
 	fs.Var(o.targets, "block-target", "controller: ZONE=HOST:PORT or ZONE=unix:///PATH: the storage target (--roles target) that serves zone ZONE's block pool (repeatable)")
 	fs.StringVar(&o.targetEndpoint, "target-endpoint", "unix:///run/modeguard/target.sock",
 		"target: where to serve the storage target's API: unix:///path (0600) or tcp://host:port (mutual TLS: --tls-cert, --tls-key, --tls-ca)")

@@ -25,8 +25,8 @@ for a in "$OUT"/modeguard.tar "$OUT"/csi-*.tar; do
 done
 
 # The driver's image must hold the mkfs of every filesystem the driver
-# makes: ext4 and xfs volumes, the kept xfs (auto) and the kept btrfs
-# (--block-pool-filesystem=btrfs) of the block pools. A package missing
+# makes: ext4 and xfs volumes, the kept btrfs (auto, btrfs) and the kept
+# xfs (auto without btrfs, xfs) of the block pools. A package missing
 # from the Dockerfile would show only when a pod first needs it.
 if [[ -f $OUT/modeguard.tar ]]; then
   layers=$(mktemp -d)

@@ -54,7 +54,7 @@ func SnapshotOneAtATime(ctx context.Context, c Controller, members []GroupMember
 		return nil, status.Errorf(codes.FailedPrecondition,
 			"%d volumes of the group are attached read/write: %s; their storage takes one snapshot after the other, not all at one point in time, while both are written. "+
 				"Detach all but one of them (stop their writers) and retry, or keep their pool on btrfs, where a group is taken at one instant "+
-				"(a block pool directory on btrfs, or one started empty with --block-pool-filesystem=btrfs)",
+				"(a block pool directory on btrfs, or one started empty with --block-pool-filesystem=btrfs, or with auto where the machine has btrfs)",
 			len(writing), strings.Join(writing, "; "))
 	}
 	out := make([]*Snapshot, 0, len(members))

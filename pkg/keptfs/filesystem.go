@@ -91,6 +91,20 @@ func (s Spec) check() error {
 	return kernelHas(s.Filesystem, s.mnt())
 }
 
+// CanMake says, as an error, whether a new image of fs can be made and
+// mounted here: its mkfs is installed and the kernel has fs. probe is an
+// empty directory kernelHas may aim a mount at.
+func CanMake(fs, probe string) error {
+	if packageOf[fs] == "" {
+		return fmt.Errorf("no filesystem %q to keep: want %s or %s", fs, XFS, Btrfs)
+	}
+	mkfs := "mkfs." + fs
+	if _, err := exec.LookPath(mkfs); err != nil {
+		return fmt.Errorf("%s is not installed (package %s): %w", mkfs, packageOf[fs], err)
+	}
+	return kernelHas(fs, probe)
+}
+
 // kernelHas says, as an error, whether the kernel can mount fs. A
 // filesystem built as a module is listed in /proc/filesystems only once
 // loaded; a mount(2) of that type loads it (its source does not exist,

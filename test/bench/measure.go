@@ -69,7 +69,8 @@ func (b *bench) startBlockPair(ctx context.Context, name string) (*blockPair, er
 
 // startDefaultBlockPair is startBlockPair with the pool as a default
 // install has it (--block-pool-filesystem=auto): in the work directory,
-// whose filesystem has no reflinks, the driver keeps an xfs with reflinks.
+// whose filesystem has no reflinks, the driver keeps a btrfs (an xfs with
+// reflinks on a machine without btrfs).
 func (b *bench) startDefaultBlockPair(ctx context.Context, name string) (*blockPair, error) {
 	return b.startKeptBlockPair(ctx, name)
 }
@@ -244,12 +245,35 @@ func throughTarget(ctx context.Context, b *bench) ([]row, error) {
 }
 
 // lifecycle: the full life of a 1 GiB volume, raw block and ext4, against
-// the bare commands underneath (the floor).
+// the bare commands underneath (the floor), on a pool directory on the
+// disk and on the pool a default install gets there.
 func lifecycle(ctx context.Context, b *bench) ([]row, error) {
-	p, err := b.startBlockPair(ctx, "lifecycle")
-	if err != nil {
-		return nil, err
+	var rows []row
+	for _, pool := range []struct {
+		suffix string
+		start  func(context.Context, string) (*blockPair, error)
+	}{
+		{"", b.startBlockPair},
+		{", default pool (kept btrfs)", b.startDefaultBlockPair},
+		{", kept xfs", func(ctx context.Context, name string) (*blockPair, error) {
+			return b.startKeptBlockPair(ctx, name, "--block-pool-filesystem=xfs")
+		}},
+	} {
+		p, err := pool.start(ctx, "lifecycle")
+		if err != nil {
+			return rows, err
+		}
+		r, err := lifecycleOn(ctx, b, p, pool.suffix)
+		rows = append(rows, r...)
+		if err != nil {
+			return rows, err
+		}
+		b.cleanup()
 	}
+	return rows, nil
+}
+
+func lifecycleOn(ctx context.Context, b *bench, p *blockPair, suffix string) ([]row, error) {
 	n := 10 * b.opts.runs
 	var rows []row
 	for _, kind := range []struct {
@@ -289,7 +313,7 @@ func lifecycle(ctx context.Context, b *bench) ([]row, error) {
 		dm, _ := stats(driver)
 		fm, _ := stats(floor)
 		rows = append(rows,
-			durationRow("lifecycle 1 GiB "+kind.name, driver, kind.target, fmt.Sprintf("%d lifecycles: create, attach, stage, publish and back", n)),
+			durationRow("lifecycle 1 GiB "+kind.name+suffix, driver, kind.target, fmt.Sprintf("%d lifecycles: create, attach, stage, publish and back", n)),
 			durationRow("  floor: the bare commands", floor, "", "truncate, losetup --direct-io, "+map[string]string{"": "bind mount", "ext4": "mkfs.ext4, mount, bind mount"}[kind.fs]+", umount, detach, rm"),
 			row{name: "  driver overhead", value: ms(dm - fm), note: "median minus floor median"})
 		for _, call := range []string{"CreateVolume", "ControllerPublishVolume", "NodeStageVolume", "NodePublishVolume",
@@ -377,9 +401,9 @@ func concurrency(ctx context.Context, b *bench) ([]row, error) {
 		start func(context.Context, string) (*blockPair, error)
 	}{
 		{"pool directory on the disk", b.startBlockPair},
-		{"default pool (kept xfs)", b.startDefaultBlockPair},
-		{"kept btrfs", func(ctx context.Context, name string) (*blockPair, error) {
-			return b.startKeptBlockPair(ctx, name, "--block-pool-filesystem=btrfs")
+		{"default pool (kept btrfs)", b.startDefaultBlockPair},
+		{"kept xfs", func(ctx context.Context, name string) (*blockPair, error) {
+			return b.startKeptBlockPair(ctx, name, "--block-pool-filesystem=xfs")
 		}},
 	} {
 		p, err := pool.start(ctx, "concurrency")

@@ -21,22 +21,25 @@ type poolFilesystem struct {
 	// make mounts a fresh filesystem of this kind at mnt, using dir for
 	// its image.
 	make func(dir, mnt string) error
+	// args choose the driver's --block-pool-filesystem (none: the default).
+	args []string
 }
 
 // poolFilesystems are the ones the operator guide names: what a default
 // install has (ext4), tmpfs and xfs made without reflinks, on each of which
-// the driver keeps an xfs with reflinks for the pool
-// (--block-pool-filesystem=auto, the default), and xfs with reflinks and
-// btrfs, which are pools as they are.
+// the driver keeps a btrfs for the pool (--block-pool-filesystem=auto, the
+// default, on this machine), ext4 once more with the xfs kept where btrfs
+// is missing, and xfs with reflinks and btrfs, which are pools as they are.
 var poolFilesystems = []poolFilesystem{
-	{"ext4", imageFilesystem("mkfs.ext4", "-F", "-q")},
-	{"tmpfs", func(_, mnt string) error {
+	{"ext4 (kept btrfs)", imageFilesystem("mkfs.ext4", "-F", "-q"), nil},
+	{"ext4 (kept xfs)", imageFilesystem("mkfs.ext4", "-F", "-q"), []string{"--block-pool-filesystem=xfs"}},
+	{"tmpfs (kept btrfs)", func(_, mnt string) error {
 		_, err := sh("mount", "-t", "tmpfs", "-o", "size=3g,mode=0700", "tmpfs", mnt)
 		return err
-	}},
-	{"xfs reflink=0", imageFilesystem("mkfs.xfs", "-f", "-q", "-m", "reflink=0")},
-	{"xfs reflink=1", imageFilesystem("mkfs.xfs", "-f", "-q", "-m", "reflink=1")},
-	{"btrfs", imageFilesystem("mkfs.btrfs", "-f", "-q")},
+	}, nil},
+	{"xfs reflink=0 (kept btrfs)", imageFilesystem("mkfs.xfs", "-f", "-q", "-m", "reflink=0"), nil},
+	{"xfs reflink=1", imageFilesystem("mkfs.xfs", "-f", "-q", "-m", "reflink=1"), nil},
+	{"btrfs", imageFilesystem("mkfs.btrfs", "-f", "-q"), nil},
 }
 
 // imageFilesystem formats a sparse 3 GiB image in dir and mounts it at mnt.
@@ -86,7 +89,7 @@ func snapshotsOn(ctx context.Context, b *bench, name string, pf poolFilesystem) 
 	if err := os.Mkdir(pool, 0o700); err != nil {
 		return nil, err
 	}
-	p, err := b.startBlockPairIn(ctx, dir, pool)
+	p, err := b.startBlockPairIn(ctx, dir, pool, pf.args...)
 	if err != nil {
 		return nil, err
 	}

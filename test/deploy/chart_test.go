@@ -413,7 +413,7 @@ func TestChartRefusesBadValues(t *testing.T) {
 		{"no zone", "zones=null", "zones"},
 		{"a zone name with a slash", "zones[0].name=zone/a", "zones"},
 		{"a relative pools directory", "poolsDir=pools", "poolsDir"},
-		{"a pool filesystem the driver does not keep", "poolsFilesystem=xfs", "poolsFilesystem"},
+		{"a pool filesystem the driver does not keep", "poolsFilesystem=ext4", "poolsFilesystem"},
 		{"an unknown filesystem", "storageClasses.block.fsType=btrfs", "fsType"},
 		{"a rootSquash that is not true or false", "storageClasses.nfs.rootSquash=maybe", "rootSquash"},
 		{"an unknown key", "replicas=2", "replicas"},

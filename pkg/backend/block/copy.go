@@ -188,7 +188,7 @@ func (c *Controller) cloneOrVet(vol *backend.Volume, image, dst string) (cloned 
 		return false, status.Errorf(codes.FailedPrecondition,
 			"volume %s is %s, and its pool's filesystem cannot clone files (no reflink): a copy of an image in use could be torn and miss acknowledged writes. "+
 				"Copy it once no node has it attached for writing, or keep the zone's pool on a filesystem with reflinks (xfs with reflink=1, btrfs), "+
-				"or move the pool to an xfs with reflinks the driver keeps in the pool directory (--block-pool-filesystem=auto makes one in a directory without volumes; "+
+				"or move the pool to a filesystem with reflinks the driver keeps in the pool directory (--block-pool-filesystem=auto, btrfs or xfs makes one in a directory without volumes; "+
 				"the operator guide, \"Snapshots of volumes in use\", says how to move a pool)", vol.ID, writer)
 	}
 	return false, nil

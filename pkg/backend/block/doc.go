@@ -20,9 +20,11 @@
 //
 // DIR above is the pool root. It is the --block-pool directory itself,
 // unless that directory's filesystem has no reflinks: then the driver keeps
-// an xfs with reflinks in it (KeepPools, keptpool.go), or with
-// --block-pool-filesystem=btrfs a btrfs unless it is on btrfs, and the root
-// is that filesystem, mounted inside the directory:
+// a filesystem with reflinks in it (KeepPools, keptpool.go), a btrfs where
+// the machine has btrfs or with --block-pool-filesystem=btrfs (unless the
+// directory is on btrfs), an xfs where it has none or with
+// --block-pool-filesystem=xfs, and the root is that filesystem, mounted
+// inside the directory:
 //
 //	DIR/kept-pool.img          sparse xfs image (mkfs.xfs -m reflink=1) or
 //	                           btrfs image (mkfs.btrfs -m single -d single),
@@ -76,9 +78,9 @@
 //     side changes. Guest fsyncs reach the image file before they return
 //     (the loop device flushes into it), so they are all in the clone.
 //   - A pool directory without reflinks (ext4, tmpfs, xfs made with
-//     reflink=0) gets an xfs with reflinks kept in it (see Pool layout),
+//     reflink=0) gets a btrfs or an xfs with reflinks kept in it (see Pool layout),
 //     so the copy is the same FICLONE there. It costs one loop device and
-//     one xfs mount per pool and process namespace, and space on the
+//     one mount per pool and process namespace, and space on the
 //     directory's filesystem only as blocks are written (the image is
 //     sparse; the discard mount option punches the blocks of deleted
 //     images back out of it).

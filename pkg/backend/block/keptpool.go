@@ -19,12 +19,16 @@ import (
 // How a --block-pool directory becomes the directory volumes live in (the
 // pool root), chosen per process with --block-pool-filesystem.
 const (
-	// PoolFilesystemAuto keeps an xfs with reflinks in a pool directory
-	// whose own filesystem has none (ext4, tmpfs, xfs made with
+	// PoolFilesystemAuto keeps a filesystem with reflinks in a pool
+	// directory whose own filesystem has none (ext4, tmpfs, xfs made with
 	// reflink=0), so that a snapshot or clone of a volume in use is one
-	// FICLONE there too. A directory that has reflinks, that already
-	// holds a pool of its own, or whose filesystem is too small for xfs
-	// stays the pool root itself.
+	// FICLONE there too: a btrfs where the kernel has btrfs and
+	// mkfs.btrfs is installed, since it also takes a group snapshot of
+	// volumes being written at one instant, and an xfs with reflinks
+	// otherwise. A directory that holds a kept image already keeps
+	// whichever of the two it holds, so a pool made before stays what it
+	// is. A directory that has reflinks, that already holds a pool of its
+	// own, or whose filesystem is too small stays the pool root itself.
 	PoolFilesystemAuto = "auto"
 	// PoolFilesystemBtrfs keeps a btrfs in a pool directory whose own
 	// filesystem is not btrfs, so that the pool gets btrfs's layout
@@ -33,30 +37,36 @@ const (
 	// A directory on btrfs, or one that already holds a pool of its own or
 	// is too small, stays the pool root itself.
 	PoolFilesystemBtrfs = "btrfs"
+	// PoolFilesystemXFS keeps an xfs with reflinks where auto would keep
+	// one, also where a btrfs could be kept: snapshots and clones of
+	// volumes in use, but no group snapshot of several volumes being
+	// written.
+	PoolFilesystemXFS = "xfs"
 	// PoolFilesystemDirect uses every pool directory as the pool root.
 	PoolFilesystemDirect = "direct"
 )
 
-// keptFilesystems is what each choice that keeps a filesystem keeps, and
-// what it gives, for logs and errors.
-var keptFilesystems = map[string]struct{ fs, what string }{
-	PoolFilesystemAuto:  {keptfs.XFS, "an xfs with reflinks"},
-	PoolFilesystemBtrfs: {keptfs.Btrfs, "a btrfs"},
+// keptFilesystems is what each filesystem a pool keeps gives, for logs and
+// errors.
+var keptFilesystems = map[string]string{
+	keptfs.XFS:   "an xfs with reflinks",
+	keptfs.Btrfs: "a btrfs",
 }
 
-// choiceKeeping is the --block-pool-filesystem value that keeps fs.
+// choiceKeeping is the --block-pool-filesystem value that keeps only fs.
 func choiceKeeping(fs string) string {
-	for choice, k := range keptFilesystems {
-		if k.fs == fs {
-			return choice
-		}
+	switch fs {
+	case keptfs.XFS:
+		return PoolFilesystemXFS
+	case keptfs.Btrfs:
+		return PoolFilesystemBtrfs
 	}
 	return ""
 }
 
-// KeptPoolFilesystem is the --block-pool-filesystem value that fits the
-// kept image in the pool directory dir: the one that keeps the filesystem
-// the image holds.
+// KeptPoolFilesystem is the --block-pool-filesystem value that keeps only
+// the filesystem the kept image in the pool directory dir holds (auto
+// fits either).
 func KeptPoolFilesystem(dir string) (string, error) {
 	image := filepath.Join(dir, KeptImageName)
 	fs, err := keptfs.FilesystemOf(image)
@@ -112,7 +122,7 @@ func (k *KeptPools) Release() error {
 //   - direct: every directory is its own root, unless it holds a kept
 //     image: then the zone's volumes are in there, and using the
 //     directory instead would hide them, so it is refused.
-//   - auto: a directory that holds a kept image (KeptImageName) gets it
+//   - xfs: a directory that holds a kept image (KeptImageName) gets it
 //     mounted at KeptMountDir (made by whichever process came first,
 //     reused by the others: see package keptfs), which is then the root.
 //     Otherwise a directory whose filesystem has reflinks, that already
@@ -120,19 +130,25 @@ func (k *KeptPools) Release() error {
 //     stay where they are), or whose filesystem is smaller than xfs's
 //     minimum, is its own root; any other gets a new kept image as large
 //     as its filesystem (sparse: it costs what is written to it).
-//   - btrfs: as auto, with a btrfs kept rather than an xfs, and a
+//   - btrfs: as xfs, with a btrfs kept rather than an xfs, and a
 //     directory on btrfs (rather than one with reflinks) as its own root.
-//     A kept image of the other filesystem is refused: it is never
-//     formatted again, and the error names the value that fits it.
+//     A kept image of the other filesystem is refused by both: it is
+//     never formatted again, and the error names the value that fits it.
+//   - auto: as xfs, with a new kept image made a btrfs where this
+//     machine can make and mount one (else an xfs), and a kept image
+//     mounted as whichever of the two it holds.
 //
 // What each zone got is logged once. A kept image that cannot be mounted
 // is an error: the process must not serve the zone from the directory
 // underneath, where its volumes are not.
 func KeepPools(ctx context.Context, pools map[string]string, filesystem string) (*KeptPools, error) {
-	if _, kept := keptFilesystems[filesystem]; !kept && filesystem != PoolFilesystemDirect {
-		return nil, fmt.Errorf("--block-pool-filesystem=%q: want %s (keep an xfs with reflinks where the directory has none), "+
-			"%s (keep a btrfs where the directory is not on btrfs, for group snapshots of volumes being written) or %s (use the directories as they are)",
-			filesystem, PoolFilesystemAuto, PoolFilesystemBtrfs, PoolFilesystemDirect)
+	switch filesystem {
+	case PoolFilesystemAuto, PoolFilesystemBtrfs, PoolFilesystemXFS, PoolFilesystemDirect:
+	default:
+		return nil, fmt.Errorf("--block-pool-filesystem=%q: want %s (keep a btrfs, or an xfs with reflinks where btrfs is missing, where the directory has no reflinks), "+
+			"%s (keep a btrfs where the directory is not on btrfs, for group snapshots of volumes being written), "+
+			"%s (keep an xfs with reflinks where the directory has none) or %s (use the directories as they are)",
+			filesystem, PoolFilesystemAuto, PoolFilesystemBtrfs, PoolFilesystemXFS, PoolFilesystemDirect)
 	}
 	k := &KeptPools{Roots: map[string]string{}}
 	for _, zone := range slices.Sorted(maps.Keys(pools)) {
@@ -222,12 +238,15 @@ func keepPool(ctx context.Context, zone, dir, filesystem string) (string, *keptf
 				return "", nil, err
 			}
 			return "", nil, fmt.Errorf("%s holds the kept filesystem of the pool (%s), where the zone's volumes are; "+
-				"with --block-pool-filesystem=%s they would not be found: start with --block-pool-filesystem=%s",
-				real, KeptImageName, PoolFilesystemDirect, fits)
+				"with --block-pool-filesystem=%s they would not be found: start with --block-pool-filesystem=%s or --block-pool-filesystem=%s",
+				real, KeptImageName, PoolFilesystemDirect, PoolFilesystemAuto, fits)
 		}
 		return direct("--block-pool-filesystem=" + PoolFilesystemDirect)
 	}
-	kept := keptFilesystems[filesystem]
+	// want is the filesystem kept: fixed by the choice; for auto, a new
+	// image's is what this machine can make (below), and an image's that
+	// exists is whichever it holds (tried as an xfs first: see the retry).
+	want := map[string]string{PoolFilesystemXFS: keptfs.XFS, PoolFilesystemBtrfs: keptfs.Btrfs, PoolFilesystemAuto: keptfs.XFS}[filesystem]
 	var size int64
 	if !hasImage {
 		if filesystem == PoolFilesystemBtrfs {
@@ -262,16 +281,31 @@ func keepPool(ctx context.Context, zone, dir, filesystem string) (string, *keptf
 			return direct(fmt.Sprintf("at %d bytes its filesystem is smaller than the %d a kept filesystem needs: "+
 				"a snapshot or clone of a volume attached read-write is refused without reflinks", size, keptfs.MinXFSBytes))
 		}
+		if filesystem == PoolFilesystemAuto {
+			want = autoFilesystem(zone, filepath.Join(real, KeptMountDir))
+		}
 	}
-	fs, err := keptfs.Keep(ctx, keptfs.Spec{
-		Dir: real, Image: KeptImageName, MountDir: KeptMountDir, Lock: keptLockName,
-		Size: size, Filesystem: kept.fs, MkfsArgs: keptMkfsArgs(kept.fs, size), Mount: mountKept(kept.fs),
-		Shared: true, What: "kept block pool",
-	})
-	if other := (*keptfs.OtherFilesystemError)(nil); errors.As(err, &other) && other.Found != "" {
+	keep := func(fs string) (*keptfs.FS, error) {
+		return keptfs.Keep(ctx, keptfs.Spec{
+			Dir: real, Image: KeptImageName, MountDir: KeptMountDir, Lock: keptLockName,
+			Size: size, Filesystem: fs, MkfsArgs: keptMkfsArgs(fs, size), Mount: mountKept(fs),
+			Shared: true, What: "kept block pool",
+		})
+	}
+	fs, err := keep(want)
+	other := (*keptfs.OtherFilesystemError)(nil)
+	if errors.As(err, &other) && other.Found != "" && filesystem == PoolFilesystemAuto {
+		// The image holds the other filesystem: made before, or just
+		// now by another process of the zone whose machine chose
+		// otherwise. auto keeps whichever of the two the image holds;
+		// Keep refused it before binding or mounting anything.
+		want = other.Found
+		fs, err = keep(want)
+	}
+	if errors.As(err, &other) && other.Found != "" {
 		return "", nil, fmt.Errorf("%s holds the kept filesystem of the pool (%s), where the zone's volumes are, and it is a %s, "+
-			"not the %s that --block-pool-filesystem=%s keeps: a kept image is never formatted again; start with --block-pool-filesystem=%s",
-			real, KeptImageName, other.Found, kept.fs, filesystem, choiceKeeping(other.Found))
+			"not the %s that --block-pool-filesystem=%s keeps: a kept image is never formatted again; start with --block-pool-filesystem=%s or --block-pool-filesystem=%s",
+			real, KeptImageName, other.Found, want, filesystem, PoolFilesystemAuto, choiceKeeping(other.Found))
 	}
 	if err != nil {
 		if hasImage {
@@ -281,13 +315,31 @@ func keepPool(ctx context.Context, zone, dir, filesystem string) (string, *keptf
 		if filesystem == PoolFilesystemBtrfs {
 			return "", nil, fmt.Errorf("keeping a btrfs in %s: %w; --block-pool-filesystem=%s keeps an xfs with reflinks instead "+
 				"(snapshots of volumes in use, but no group snapshots of several volumes being written), "+
-				"and --block-pool-filesystem=%s uses the directory as it is", real, err, PoolFilesystemAuto, PoolFilesystemDirect)
+				"and --block-pool-filesystem=%s uses the directory as it is", real, err, PoolFilesystemXFS, PoolFilesystemDirect)
 		}
-		return "", nil, fmt.Errorf("keeping %s in %s: %w", kept.what, real, err)
+		return "", nil, fmt.Errorf("keeping %s in %s: %w", keptFilesystems[want], real, err)
 	}
-	klog.InfoS("Block pool: "+kept.what+" kept in the directory is the pool root", "zone", zone, "dir", real,
+	klog.InfoS("Block pool: "+keptFilesystems[want]+" kept in the directory is the pool root", "zone", zone, "dir", real,
 		"root", fs.Root, "device", fs.Device, "formatted", fs.Formatted, "alreadyMounted", fs.Reused)
 	return fs.Root, fs, nil
+}
+
+// autoFilesystem is the filesystem auto keeps in a new kept image of zone's
+// pool: a btrfs, which takes group snapshots of volumes being written at
+// one instant, where this machine can make and mount one; else an xfs
+// with reflinks, which takes snapshots of volumes in use but no such
+// groups. probe is the (empty) mount point of the image to come.
+func autoFilesystem(zone, probe string) string {
+	if err := os.MkdirAll(probe, 0o755); err != nil {
+		klog.InfoS("Block pool: keeping an xfs with reflinks, without group snapshots of volumes being written", "zone", zone, "btrfs", err)
+		return keptfs.XFS
+	}
+	if err := keptfs.CanMake(keptfs.Btrfs, probe); err != nil {
+		klog.InfoS("Block pool: keeping an xfs with reflinks, without group snapshots of volumes being written, since no btrfs can be made here",
+			"zone", zone, "btrfs", err)
+		return keptfs.XFS
+	}
+	return keptfs.Btrfs
 }
 
 // keptMkfsArgs format a new kept image of size bytes. For btrfs: one copy

@@ -135,9 +135,9 @@ func mountsAt(t *testing.T, path string) int {
 func TestSnapshotOfAVolumeInUseOnAKeptPool(t *testing.T) {
 	requireRoot(t)
 	for _, c := range []struct{ outer, choice, fs string }{
-		{"ext4", PoolFilesystemAuto, "xfs"},
-		{"tmpfs", PoolFilesystemAuto, "xfs"},
-		{"xfs-noreflink", PoolFilesystemAuto, "xfs"},
+		{"ext4", PoolFilesystemXFS, "xfs"},
+		{"tmpfs", PoolFilesystemAuto, "btrfs"},
+		{"xfs-noreflink", PoolFilesystemXFS, "xfs"},
 		{"ext4", PoolFilesystemBtrfs, "btrfs"},
 	} {
 		t.Run(c.outer+" "+c.choice, func(t *testing.T) {
@@ -183,7 +183,7 @@ func TestSnapshotOfAVolumeInUseOnAKeptPool(t *testing.T) {
 // files. So for a kept xfs and a kept btrfs alike.
 func TestKeptPoolIsSharedAndReleased(t *testing.T) {
 	requireRoot(t)
-	for _, choice := range []string{PoolFilesystemAuto, PoolFilesystemBtrfs} {
+	for _, choice := range []string{PoolFilesystemXFS, PoolFilesystemBtrfs} {
 		t.Run(choice, func(t *testing.T) { keptPoolIsSharedAndReleased(t, choice) })
 	}
 }
@@ -203,8 +203,8 @@ func keptPoolIsSharedAndReleased(t *testing.T, choice string) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = first.Release() })
-	if fsType := mountedFsType(t, mnt); fsType != keptFilesystems[choice].fs {
-		t.Fatalf("kept pool is a %s, want a %s", fsType, keptFilesystems[choice].fs)
+	if fsType := mountedFsType(t, mnt); fsType != choice {
+		t.Fatalf("kept pool is a %s, want a %s", fsType, choice)
 	}
 	st, err := os.Stat(image)
 	if err != nil {
@@ -540,7 +540,7 @@ func TestPoolsThatStayDirect(t *testing.T) {
 	if _, err := KeepPools(ctx, map[string]string{"zone-a": empty}, "kept"); err == nil {
 		t.Error("KeepPools accepted an unknown filesystem choice")
 	} else {
-		for _, want := range []string{`"kept"`, PoolFilesystemAuto, PoolFilesystemBtrfs, PoolFilesystemDirect} {
+		for _, want := range []string{`"kept"`, PoolFilesystemAuto, PoolFilesystemBtrfs, PoolFilesystemXFS, PoolFilesystemDirect} {
 			if !strings.Contains(err.Error(), want) {
 				t.Errorf("the refusal of an unknown choice %q does not say %q", err, want)
 			}
@@ -591,7 +591,7 @@ func TestKeptImageThatCannotBeMountedFailsClosed(t *testing.T) {
 // xfs and a kept btrfs alike.
 func TestKeptPoolGivesDeletedSpaceBack(t *testing.T) {
 	requireRoot(t)
-	for _, choice := range []string{PoolFilesystemAuto, PoolFilesystemBtrfs} {
+	for _, choice := range []string{PoolFilesystemXFS, PoolFilesystemBtrfs} {
 		t.Run(choice, func(t *testing.T) { keptPoolGivesDeletedSpaceBack(t, choice) })
 	}
 }
@@ -694,9 +694,10 @@ func TestSyncsSharedOnlyOnAFilesystemOfItsOwn(t *testing.T) {
 
 // TestKeptImageOfTheOtherFilesystemIsRefused: a pool directory whose kept
 // image holds an xfs is refused at start under --block-pool-filesystem=btrfs,
-// and one holding a btrfs under auto and direct, each saying what the image
-// holds and which value fits it; the image is neither formatted again nor
-// left mounted, and the value that fits still finds its volumes' files.
+// and one holding a btrfs under xfs and direct, each saying what the image
+// holds and which values fit it; the image is neither formatted again nor
+// left mounted, and the value that fits, and auto, still find its
+// volumes' files: a pool kept before auto chose btrfs stays an xfs.
 func TestKeptImageOfTheOtherFilesystemIsRefused(t *testing.T) {
 	requireRoot(t)
 	testRoot(t)
@@ -706,8 +707,8 @@ func TestKeptImageOfTheOtherFilesystemIsRefused(t *testing.T) {
 		asked []string
 		found string
 	}{
-		{PoolFilesystemAuto, []string{PoolFilesystemBtrfs}, "xfs"},
-		{PoolFilesystemBtrfs, []string{PoolFilesystemAuto, PoolFilesystemDirect}, "btrfs"},
+		{PoolFilesystemXFS, []string{PoolFilesystemBtrfs}, "xfs"},
+		{PoolFilesystemBtrfs, []string{PoolFilesystemXFS, PoolFilesystemDirect}, "btrfs"},
 	} {
 		t.Run(c.made, func(t *testing.T) {
 			dir := outerDir(t, "tmpfs")
@@ -730,19 +731,31 @@ func TestKeptImageOfTheOtherFilesystemIsRefused(t *testing.T) {
 				if err == nil {
 					t.Fatalf("a kept %s was used with --block-pool-filesystem=%s", c.found, asked)
 				}
-				for _, want := range []string{"zone-a", KeptImageName, c.found, "--block-pool-filesystem=" + c.made} {
+				for _, want := range []string{"zone-a", KeptImageName, c.found, "--block-pool-filesystem=" + c.made, "--block-pool-filesystem=auto"} {
 					if !strings.Contains(err.Error(), want) {
 						t.Errorf("--block-pool-filesystem=%s: refusal %q does not say %q", asked, err, want)
 					}
 				}
 				assertKeptReleased(t, dir)
 			}
-			again := keepPoolsAs(t, map[string]string{"zone-a": dir}, c.made)
-			if inodeOf(t, image) != ino {
-				t.Error("the kept image was made again")
-			}
-			if b, err := os.ReadFile(filepath.Join(again.Roots["zone-a"], "marker")); err != nil || string(b) != "kept" {
-				t.Errorf("marker after the refusals: %q %v", b, err)
+			for _, choice := range []string{c.made, PoolFilesystemAuto} {
+				again, err := KeepPools(ctx, map[string]string{"zone-a": dir}, choice)
+				if err != nil {
+					t.Fatalf("--block-pool-filesystem=%s on a kept %s: %v", choice, c.found, err)
+				}
+				if inodeOf(t, image) != ino {
+					t.Errorf("--block-pool-filesystem=%s: the kept image was made again", choice)
+				}
+				if fsType := mountedFsType(t, again.Roots["zone-a"]); fsType != c.found {
+					t.Errorf("--block-pool-filesystem=%s: the kept %s is mounted as %s", choice, c.found, fsType)
+				}
+				if b, err := os.ReadFile(filepath.Join(again.Roots["zone-a"], "marker")); err != nil || string(b) != "kept" {
+					t.Errorf("--block-pool-filesystem=%s: marker after the refusals: %q %v", choice, b, err)
+				}
+				if err := again.Release(); err != nil {
+					t.Fatal(err)
+				}
+				assertKeptReleased(t, dir)
 			}
 		})
 	}
@@ -771,7 +784,7 @@ func TestKeptBtrfsWithoutMkfsFailsClosed(t *testing.T) {
 		_ = k.Release()
 		t.Fatalf("a btrfs pool started without mkfs.btrfs, root %s", k.Roots["zone-a"])
 	}
-	for _, want := range []string{"zone-a", "mkfs.btrfs", "btrfs-progs", "--block-pool-filesystem=auto", "--block-pool-filesystem=direct"} {
+	for _, want := range []string{"zone-a", "mkfs.btrfs", "btrfs-progs", "--block-pool-filesystem=xfs", "--block-pool-filesystem=direct"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error %q does not say %q", err, want)
 		}
@@ -780,4 +793,33 @@ func TestKeptBtrfsWithoutMkfsFailsClosed(t *testing.T) {
 		t.Errorf("kept image: %v", err)
 	}
 	assertKeptReleased(t, dir)
+}
+
+// TestAutoKeepsABtrfsWhereItCan: auto makes a new kept image a btrfs,
+// which takes group snapshots of volumes being written at one instant,
+// where this machine has mkfs.btrfs and btrfs in its kernel; without
+// mkfs.btrfs it keeps an xfs with reflinks, and starts.
+func TestAutoKeepsABtrfsWhereItCan(t *testing.T) {
+	requireRoot(t)
+	testRoot(t)
+	withBtrfs := outerDir(t, "tmpfs")
+	k := keepPools(t, map[string]string{"zone-a": withBtrfs})
+	if fsType := mountedFsType(t, k.Roots["zone-a"]); fsType != "btrfs" {
+		t.Errorf("auto with btrfs at hand kept a %s, want a btrfs", fsType)
+	}
+
+	withoutBtrfs := outerDir(t, "tmpfs")
+	mkfsXFS, err := exec.LookPath("mkfs.xfs")
+	if err != nil {
+		t.Fatal(err)
+	}
+	onlyXFS := t.TempDir()
+	if err := os.Symlink(mkfsXFS, filepath.Join(onlyXFS, "mkfs.xfs")); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PATH", onlyXFS)
+	k = keepPools(t, map[string]string{"zone-a": withoutBtrfs})
+	if fsType := mountedFsType(t, k.Roots["zone-a"]); fsType != "xfs" {
+		t.Errorf("auto without mkfs.btrfs kept a %s, want an xfs", fsType)
+	}
 }
