@@ -20,32 +20,65 @@ import (
 // file in the same directory, fsync it, rename it over path, fsync the
 // directory so the rename itself is durable.
 func WriteFileAtomic(path string, data []byte, perm os.FileMode) error {
-	dir := filepath.Dir(path)
-	tmp, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
+	pending, err := WritePending(path, data, perm)
 	if err != nil {
 		return err
 	}
-	tmpName := tmp.Name()
-	defer os.Remove(tmpName) // a no-op once the rename has happened
-	if err := tmp.Chmod(perm); err != nil {
+	defer pending.Discard() // a no-op once committed
+	return pending.Commit()
+}
+
+// PendingFile is the first half of WriteFileAtomic: data durable under a
+// temporary name next to its path, waiting to replace it. It lets a caller
+// make the file durable while something else is made durable too (both
+// then wait for one shared sync), and replace the path only after that.
+type PendingFile struct {
+	tmp, path string
+	committed bool
+}
+
+// WritePending writes data to a temporary file next to path (a name
+// holding ".tmp-", after a dot) and makes it durable.
+func WritePending(path string, data []byte, perm os.FileMode) (*PendingFile, error) {
+	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-*")
+	if err != nil {
+		return nil, err
+	}
+	fail := func(err error) (*PendingFile, error) {
 		tmp.Close()
-		return err
+		os.Remove(tmp.Name())
+		return nil, err
+	}
+	if err := tmp.Chmod(perm); err != nil {
+		return fail(err)
 	}
 	if _, err := tmp.Write(data); err != nil {
-		tmp.Close()
-		return err
+		return fail(err)
 	}
 	if err := SyncFile(tmp); err != nil {
-		tmp.Close()
-		return err
+		return fail(err)
 	}
 	if err := tmp.Close(); err != nil {
+		os.Remove(tmp.Name())
+		return nil, err
+	}
+	return &PendingFile{tmp: tmp.Name(), path: path}, nil
+}
+
+// Commit renames the file over its path and makes the rename durable.
+func (p *PendingFile) Commit() error {
+	if err := os.Rename(p.tmp, p.path); err != nil {
 		return err
 	}
-	if err := os.Rename(tmpName, path); err != nil {
-		return err
+	p.committed = true
+	return SyncDir(filepath.Dir(p.path))
+}
+
+// Discard removes the temporary file unless it was committed.
+func (p *PendingFile) Discard() {
+	if !p.committed {
+		os.Remove(p.tmp)
 	}
-	return SyncDir(dir)
 }
 
 // SyncDir makes the directory's entries (a rename, a removal) durable.

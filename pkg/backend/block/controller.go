@@ -449,13 +449,11 @@ func (c *Controller) completeVolume(ctx context.Context, p *pool, m *imageInProg
 		}
 	}
 	fpCreateImageWritten.Hit()
-	if err := m.publish(); err != nil {
-		return status.Errorf(codes.Internal, "publishing image of %s: %v", vol.ID, err)
-	}
-	fpCreateImagePublished.Hit()
 	vol.CreatedAt = time.Now().UTC()
-	if err := m.record(vol); err != nil {
-		return status.Errorf(codes.Internal, "recording volume %s: %v", vol.ID, err)
+	if perr, rerr := m.publishAndRecord(vol, fpCreateImagePublished.Hit); perr != nil {
+		return status.Errorf(codes.Internal, "publishing image of %s: %v", vol.ID, perr)
+	} else if rerr != nil {
+		return status.Errorf(codes.Internal, "recording volume %s: %v", vol.ID, rerr)
 	}
 	fpCreateRecorded.Hit()
 	c.mu.Lock()
@@ -899,11 +897,10 @@ func (c *Controller) completeSnapshot(m *imageInProgress, snap *backend.Snapshot
 		return status.Errorf(codes.Internal, "syncing image of %s: %v", snap.ID, err)
 	}
 	fpSnapshotCopied.Hit()
-	if err := m.publish(); err != nil {
-		return status.Errorf(codes.Internal, "publishing image of %s: %v", snap.ID, err)
-	}
-	if err := m.record(snap); err != nil {
-		return status.Errorf(codes.Internal, "recording snapshot %s: %v", snap.ID, err)
+	if perr, rerr := m.publishAndRecord(snap, func() {}); perr != nil {
+		return status.Errorf(codes.Internal, "publishing image of %s: %v", snap.ID, perr)
+	} else if rerr != nil {
+		return status.Errorf(codes.Internal, "recording snapshot %s: %v", snap.ID, rerr)
 	}
 	c.mu.Lock()
 	c.snapshots[snap.ID] = snap

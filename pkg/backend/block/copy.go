@@ -2,6 +2,7 @@ package block
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -85,26 +86,51 @@ func (m *imageInProgress) handOver() func() {
 	}
 }
 
-// publish renames the complete image into place, durably.
-func (m *imageInProgress) publish() error {
-	if err := os.Rename(m.tmp, m.final); err != nil {
-		return err
+// publishAndRecord renames the complete image into place and then writes
+// the object's metadata next to it, each durably and in that order, so
+// that metadata never names an image that is not there. The metadata is
+// written to its temporary file and synced while the image's rename is
+// made durable: where calls are in flight together, both wait for one
+// shared sync of the pool's filesystem rather than one after the other.
+// published runs once the image is in place, before the metadata is.
+// Without metadata the image is a leftover: it goes now rather than at
+// the next restart.
+func (m *imageInProgress) publishAndRecord(obj any, published func()) (publishErr, recordErr error) {
+	data, err := json.MarshalIndent(obj, "", "  ")
+	if err != nil {
+		return nil, err
 	}
-	m.published = true
-	return fsutil.SyncDir(m.dir)
-}
-
-// record writes the object's metadata after its image is in place. Without
-// metadata the image is a leftover: it goes now rather than at the next
-// restart.
-func (m *imageInProgress) record(obj any) error {
-	if err := fsutil.WriteJSONAtomic(m.meta, obj); err != nil {
+	var pending *fsutil.PendingFile
+	var pendingErr error
+	wrote := make(chan struct{})
+	go func() {
+		defer close(wrote)
+		pending, pendingErr = fsutil.WritePending(m.meta, append(data, '\n'), 0o600)
+	}()
+	publishErr = os.Rename(m.tmp, m.final)
+	if publishErr == nil {
+		m.published = true
+		publishErr = fsutil.SyncDir(m.dir)
+	}
+	<-wrote
+	if pendingErr == nil {
+		defer pending.Discard()
+	}
+	if publishErr != nil {
+		return publishErr, nil
+	}
+	published()
+	if pendingErr == nil {
+		recordErr = pending.Commit()
+	} else {
+		recordErr = pendingErr
+	}
+	if recordErr != nil {
 		if rerr := fsutil.RemoveDurably(m.final); rerr != nil {
 			klog.ErrorS(rerr, "Removing an image whose metadata could not be written", "image", m.final)
 		}
-		return err
 	}
-	return nil
+	return nil, recordErr
 }
 
 // sameCreation tells a retry of the creation a background copy is doing
