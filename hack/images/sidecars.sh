@@ -17,8 +17,9 @@
 # ./client, and the proxy has no client module of the same version to put
 # there (v0.2.0 needs client v0.1.0), so it cannot be built as the main
 # module like the others. Its image tag is the chart's
-# (snapshotMetadata.image), as the kustomize base has no such sidecar; its
-# CRD (SnapshotMetadataService) goes to crds/ with the others.
+# (snapshotMetadata.image), which components/snapshot-metadata of
+# deploy/kubernetes names too; its CRD (SnapshotMetadataService) goes to
+# crds/ with the others.
 #
 # Also from external-snapshotter, for the local cluster (hack/local-cluster),
 # which runs them itself as parts of the cluster rather than of the driver:
