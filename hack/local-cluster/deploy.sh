@@ -49,7 +49,7 @@ wait
 log "making the pool and state directories"
 # Each zone's pool is a btrfs of its own (a sparse image, POOL_SIZE each), as a production pool
 # should be: a snapshot or clone of a volume in use is then an atomic clone (on a filesystem
-# without reflinks the driver would keep an xfs with reflinks in the pool directory), a group
+# without reflinks the driver would keep a btrfs or an xfs with reflinks in the pool directory), a group
 # snapshot of volumes being written is of one instant (the driver lays a new pool on btrfs out
 # with its volumes in a subvolume: one read-only snapshot of it holds every member; on xfs a group
 # of more than one volume being written is refused), and a zone that fills up is full alone, so

@@ -62,9 +62,10 @@ func spare(free int64, promised []int64, reserved int64) int64 {
 // freeBytes is what an unprivileged writer could still store in dir.
 // Bavail rather than Bfree: promising volumes the filesystem's root reserve
 // would leave the pool's host without its safety margin.
-// In a kept pool (keptpool.go) it is the lesser of the kept xfs's free
-// space and that of the filesystem under its sparse image: as large as
-// that filesystem, the xfs would promise space other files there took.
+// In a kept pool (keptpool.go) it is the lesser of the kept filesystem's
+// free space and that of the filesystem under its sparse image: as large
+// as that filesystem, the kept one would promise space other files there
+// took.
 func freeBytes(dir string) (int64, error) {
 	_, free, err := poolSpace(dir)
 	return free, err
