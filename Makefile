@@ -5,7 +5,7 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 GOTEST_FLAGS ?= -race -count=1
 
-.PHONY: tools-dir all build image bench cluster-up cluster-down conformance demo helm-lint test test-all test-static test-e2e-build test-e2e-images test-go test-fuzz test-leftovers test-vm test-vm-nfs-quota test-e2e test-unit test-integration test-sanity fuzz vet fmt-check clean
+.PHONY: tools-dir all build image bench cluster-up cluster-down cluster-up-vm cluster-down-vm conformance demo helm-lint test test-all test-static test-e2e-build test-e2e-images test-go test-fuzz test-leftovers test-vm test-vm-nfs-quota test-e2e test-unit test-integration test-sanity fuzz vet fmt-check clean
 
 all: build
 
@@ -72,6 +72,17 @@ cluster-up: build $(HELM)
 	bash hack/images/sidecars.sh all
 	bash hack/local-cluster/up.sh
 	bash hack/local-cluster/deploy.sh
+
+# The same control plane on the host with worker nodes in qemu VMs on
+# Debian's kernel (hack/local-cluster/vm-up.sh, docs/vm-cluster.md): no
+# driver installed yet. One cluster at a time on this machine: cluster-up
+# and cluster-up-vm use the same ports.
+cluster-up-vm:
+	bash hack/local-cluster/build.sh
+	bash hack/local-cluster/vm-up.sh
+
+cluster-down-vm:
+	bash hack/local-cluster/vm-down.sh
 
 # Every modeguard volume deleted through Kubernetes first (so the driver
 # unpublishes, detaches and deletes them), then the cluster stopped by PID.

@@ -10,6 +10,9 @@ mounts=$(grep -E ' /(tmp|var/tmp|work)/' /proc/mounts || true)
 [ -n "$mounts" ] && report "leftover mounts" "$mounts"
 netns=$(ip netns list 2>/dev/null | grep -E '^mg' || true)
 [ -n "$netns" ] && report "leftover network namespaces" "$netns"
+# The bridge and tap devices of a cluster with VM nodes (vm-up.sh).
+links=$(ip -o link show 2>/dev/null | awk -F': ' '$2 ~ /^mgv(t|br)/ {sub(/@.*/, "", $2); print $2}')
+[ -n "$links" ] && report "leftover VM bridge or tap devices" "$links"
 # By command name: the driver, its ganesha, test VMs; and private buses.
 procs=$( (ps -eo pid=,stat=,comm= | awk '$2 !~ /Z/ && ($3 == "modeguard" || $3 == "modeguard.test" || $3 == "ganesha.nfsd" || $3 ~ /^qemu-system/)';
           ps -eo pid=,stat=,args= | awk '$2 !~ /Z/' | grep -E 'dbus-daemon --config-file=/(tmp|var/tmp)' | grep -v grep) || true)

@@ -4,13 +4,15 @@
 # shims that name one of OUR containerd sockets), the containerds, control plane, etcd. Then detaches
 # the loop devices a kubelet left on raw block volumes and unmounts everything under _build/cluster (netns bind mounts included), removes the host veths of our CNI plugin,
 # the cgroups made for the kubelet, and restores the host sysctls the kubelet changed.
-# PURGE=1 also deletes _build/cluster (PKI, etcd data, images).
+# PURGE=1 also deletes _build/cluster (PKI, etcd data, images). HOST_NODES=0 (vm-down.sh: a
+# cluster with no node on the host) leaves the host's veths and kubelet cgroups alone: they
+# may be the local cluster's, running beside it.
 set -uo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 BUILD="${BUILD_DIR:-$REPO/_build}"
-C="$BUILD/cluster"
+C="${CLUSTER_DIR:-$BUILD/cluster}"
 CGROUP_ROOT=/modeguard-local
 TERM_WAIT="${TERM_WAIT_SECONDS:-10}"
 
@@ -137,7 +139,7 @@ if [[ -d "$MG" ]]; then
 fi
 
 # Host ends of our CNI veths (named mg<container-id prefix>) and their addresses.
-for l in /sys/class/net/mg*; do
+[[ "${HOST_NODES:-1}" == 0 ]] || for l in /sys/class/net/mg*; do
   [[ -e "$l" ]] || continue
   n=$(basename "$l")
   if [[ "$n" =~ ^mg[0-9a-f]{12}$ ]]; then ip link del "$n" 2>/dev/null && log "removed veth $n"; fi
@@ -145,7 +147,7 @@ done
 rm -rf "$C"/nodes/*/cni/data/ips 2>/dev/null
 
 # Cgroups made for the kubelet (only empty ones can go; deepest first).
-for h in /sys/fs/cgroup/*/; do
+[[ "${HOST_NODES:-1}" == 0 ]] || for h in /sys/fs/cgroup/*/; do
   [[ -d "$h${CGROUP_ROOT#/}" ]] || continue
   find "$h${CGROUP_ROOT#/}" -depth -type d -exec rmdir {} \; 2>/dev/null
 done

@@ -3,10 +3,14 @@
 # kubeconfigs, and start_node, which starts one node's containerd and kubelet.
 REPO="$(cd "$HERE/../.." && pwd)"
 BUILD="${BUILD_DIR:-$REPO/_build}"
-C="$BUILD/cluster"
+# CLUSTER_DIR: another cluster's state (vm-up.sh's), by default the local cluster's.
+C="${CLUSTER_DIR:-$BUILD/cluster}"
 BIN="$BUILD/k8s/bin"
 DEBS="$BUILD/debs/bin"
-NODES="${NODES:-127.0.0.1=zone-a 127.0.0.2=zone-a 127.0.0.3=zone-b}"
+# Set but empty: no node on the host (vm-up.sh: every node is a VM).
+NODES="${NODES-127.0.0.1=zone-a 127.0.0.2=zone-a 127.0.0.3=zone-b}"
+# The apiserver's address: loopback, or a bridge address VMs reach it at (vm-up.sh).
+API_ADDRESS="${API_ADDRESS:-127.0.0.1}"
 CGROUP_ROOT=/modeguard-local
 SERVICE_CIDR=10.0.0.0/24
 API_PORT=6443
@@ -40,6 +44,25 @@ start() {
   kill -0 "$pid" 2>/dev/null || { tail -20 "$C/logs/$name.log" >&2; die "$name exited at once"; }
 }
 
+# cert NAME CN O SANs(comma list or empty) EKU: a key and a certificate signed by the
+# cluster's CA in $P, made once (kept while $P/NAME.crt exists).
+cert() {
+  local name=$1 cn=$2 o=$3 san=$4 eku=$5
+  [[ -s "$P/$name.crt" ]] && return 0
+  local subj="/CN=$cn"; [[ -n "$o" ]] && subj="/O=$o$subj"
+  openssl genrsa -out "$P/$name.key" 2048 2>/dev/null
+  openssl req -new -key "$P/$name.key" -subj "$subj" -out "$P/$name.csr" 2>/dev/null
+  {
+    echo "basicConstraints=CA:FALSE"
+    echo "keyUsage=critical,digitalSignature,keyEncipherment"
+    echo "extendedKeyUsage=$eku"
+    [[ -n "$san" ]] && echo "subjectAltName=$san"
+  } >"$P/$name.ext"
+  openssl x509 -req -in "$P/$name.csr" -CA "$P/ca.crt" -CAkey "$P/ca.key" -CAcreateserial \
+    -days 3650 -sha256 -extfile "$P/$name.ext" -out "$P/$name.crt" 2>/dev/null
+  rm -f "$P/$name.csr" "$P/$name.ext"
+}
+
 kubeconfig() { # kubeconfig FILE CERTNAME
   cat >"$1" <<EOF
 apiVersion: v1
@@ -48,7 +71,7 @@ clusters:
 - name: local
   cluster:
     certificate-authority: $P/ca.crt
-    server: https://127.0.0.1:$API_PORT
+    server: https://$API_ADDRESS:$API_PORT
 users:
 - name: user
   user:

@@ -13,6 +13,10 @@
 # lives in _build/cluster, each node's in _build/cluster/nodes/<name>. PIDs go to
 # _build/cluster/pids (name pid per line); stop with down.sh.
 # Each run starts from empty etcd/containerd/kubelet state (KEEP_STATE=1 keeps it).
+# For a cluster whose nodes are VMs (vm-up.sh): CLUSTER_DIR (state elsewhere than
+# _build/cluster), API_ADDRESS (the address etcd, the apiserver, controller-manager and
+# scheduler listen on: a bridge address the VMs reach, so that this cluster and the local
+# one on loopback share no port) and NODES="" (no node on the host).
 # Needs: root, hack/local-cluster/build.sh run first. Admin kubeconfig:
 #   _build/cluster/admin.kubeconfig
 set -euo pipefail
@@ -37,7 +41,13 @@ for nz in $NODES; do
   [[ "$name" =~ ^127\.[0-9]+\.[0-9]+\.[0-9]+$ ]] || die "node '$name' must be a 127.x.y.z address"
 done
 for port in 2379 2380 $API_PORT 10257 10259; do
-  if ss -Hltn "sport = :$port" | grep -q .; then die "port $port already in use"; fi
+  if [[ "$API_ADDRESS" == 127.0.0.1 ]]; then
+    if ss -Hltn "sport = :$port" | grep -q .; then die "port $port already in use"; fi
+  # Elsewhere (vm-up.sh) only a listener on that address or on every address is in the way:
+  # the local cluster on loopback is not.
+  elif ss -Hltn "sport = :$port" | awk -v a="$API_ADDRESS:$port" '$4 == a || $4 ~ /^(0\.0\.0\.0|\*|\[::\]):/ {f=1} END {exit !f}'; then
+    die "port $API_ADDRESS:$port already in use"
+  fi
 done
 
 if awk -v p="$C/" 'index($2, p) == 1 {found=1} END {exit !found}' /proc/self/mounts; then
@@ -52,30 +62,20 @@ mkdir -p "$C"/{pki,logs,etcd,nodes}
 
 
 # ---------------------------------------------------------------- PKI (openssl)
-cert() { # cert NAME CN O SANs(comma list or empty) EKU
-  local name=$1 cn=$2 o=$3 san=$4 eku=$5
-  [[ -s "$P/$name.crt" ]] && return 0
-  local subj="/CN=$cn"; [[ -n "$o" ]] && subj="/O=$o$subj"
-  openssl genrsa -out "$P/$name.key" 2048 2>/dev/null
-  openssl req -new -key "$P/$name.key" -subj "$subj" -out "$P/$name.csr" 2>/dev/null
-  {
-    echo "basicConstraints=CA:FALSE"
-    echo "keyUsage=critical,digitalSignature,keyEncipherment"
-    echo "extendedKeyUsage=$eku"
-    [[ -n "$san" ]] && echo "subjectAltName=$san"
-  } >"$P/$name.ext"
-  openssl x509 -req -in "$P/$name.csr" -CA "$P/ca.crt" -CAkey "$P/ca.key" -CAcreateserial \
-    -days 3650 -sha256 -extfile "$P/$name.ext" -out "$P/$name.crt" 2>/dev/null
-  rm -f "$P/$name.csr" "$P/$name.ext"
-}
 if [[ ! -s "$P/ca.crt" ]]; then
   log "creating PKI in $P"
   openssl req -x509 -newkey rsa:2048 -nodes -keyout "$P/ca.key" -out "$P/ca.crt" -days 3650 \
     -subj "/CN=modeguard-local-ca" -addext "basicConstraints=critical,CA:TRUE" \
     -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature" 2>/dev/null
 fi
-cert apiserver kube-apiserver "" \
-  "DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,IP:127.0.0.1,IP:10.0.0.1" serverAuth
+api_san="DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,IP:127.0.0.1,IP:10.0.0.1"
+[[ "$API_ADDRESS" == 127.0.0.1 ]] || api_san+=",IP:$API_ADDRESS"
+# A certificate kept from a run with another API_ADDRESS is made again.
+if [[ -s "$P/apiserver.crt" ]] && ! openssl x509 -noout -ext subjectAltName -in "$P/apiserver.crt" 2>/dev/null |
+    grep -qw "IP Address:$API_ADDRESS"; then
+  rm -f "$P/apiserver.crt"
+fi
+cert apiserver kube-apiserver "" "$api_san" serverAuth
 cert apiserver-kubelet-client kube-apiserver-kubelet-client system:masters "" clientAuth
 cert admin admin system:masters "" clientAuth
 cert controller-manager system:kube-controller-manager "" "" clientAuth
@@ -97,17 +97,17 @@ kubeconfig "$C/scheduler.kubeconfig" scheduler
 # ---------------------------------------------------------------- etcd
 log "starting etcd"
 start etcd etcd --name local --data-dir "$C/etcd" \
-  --listen-client-urls http://127.0.0.1:2379 --advertise-client-urls http://127.0.0.1:2379 \
-  --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
-  --initial-cluster local=http://127.0.0.1:2380 --listen-metrics-urls "" \
+  --listen-client-urls "http://$API_ADDRESS:2379" --advertise-client-urls "http://$API_ADDRESS:2379" \
+  --listen-peer-urls "http://$API_ADDRESS:2380" --initial-advertise-peer-urls "http://$API_ADDRESS:2380" \
+  --initial-cluster "local=http://$API_ADDRESS:2380" --listen-metrics-urls "" \
   --quota-backend-bytes 1073741824 --log-level warn
-wait_for "etcd health" "$WAIT" curl -sf http://127.0.0.1:2379/health
+wait_for "etcd health" "$WAIT" curl -sf "http://$API_ADDRESS:2379/health"
 
 # ---------------------------------------------------------------- apiserver
 log "starting kube-apiserver"
 start kube-apiserver kube-apiserver \
-  --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port=$API_PORT \
-  --etcd-servers=http://127.0.0.1:2379 \
+  --bind-address="$API_ADDRESS" --advertise-address="$API_ADDRESS" --secure-port=$API_PORT \
+  --etcd-servers="http://$API_ADDRESS:2379" \
   --authorization-mode=Node,RBAC --anonymous-auth=false \
   --client-ca-file="$P/ca.crt" \
   --tls-cert-file="$P/apiserver.crt" --tls-private-key-file="$P/apiserver.key" \
@@ -121,7 +121,7 @@ start kube-apiserver kube-apiserver \
   --enable-admission-plugins=NodeRestriction \
   --allow-privileged=true --profiling=false --v=1
 wait_for "kube-apiserver /readyz" "$WAIT" curl -sf --cacert "$P/ca.crt" --cert "$P/admin.crt" --key "$P/admin.key" \
-  "https://127.0.0.1:$API_PORT/readyz"
+  "https://$API_ADDRESS:$API_PORT/readyz"
 
 # ---------------------------------------------------------------- controller-manager, scheduler
 log "starting kube-controller-manager and kube-scheduler"
@@ -129,7 +129,7 @@ start kube-controller-manager kube-controller-manager \
   --kubeconfig="$C/controller-manager.kubeconfig" \
   --authentication-kubeconfig="$C/controller-manager.kubeconfig" \
   --authorization-kubeconfig="$C/controller-manager.kubeconfig" \
-  --bind-address=127.0.0.1 --leader-elect=false --use-service-account-credentials=true \
+  --bind-address="$API_ADDRESS" --leader-elect=false --use-service-account-credentials=true \
   --service-account-private-key-file="$P/sa.key" --root-ca-file="$P/ca.crt" \
   --cluster-signing-cert-file="$P/ca.crt" --cluster-signing-key-file="$P/ca.key" \
   --service-cluster-ip-range=$SERVICE_CIDR --allocate-node-cidrs=false \
@@ -139,7 +139,7 @@ start kube-scheduler kube-scheduler \
   --kubeconfig="$C/scheduler.kubeconfig" \
   --authentication-kubeconfig="$C/scheduler.kubeconfig" \
   --authorization-kubeconfig="$C/scheduler.kubeconfig" \
-  --bind-address=127.0.0.1 --leader-elect=false --profiling=false --v=1
+  --bind-address="$API_ADDRESS" --leader-elect=false --profiling=false --v=1
 
 # ---------------------------------------------------------------- snapshots
 # The VolumeSnapshot and VolumeGroupSnapshot CRDs and the snapshot-controller, built by hack/images/sidecars.sh from
@@ -173,8 +173,9 @@ fi
 # (down.sh unmounts it).
 mount --bind "$NODES_DIR" "$NODES_DIR"
 mount --make-rshared "$NODES_DIR"
-# The kubelet (protectKernelDefaults: false) sets these host sysctls; remember them for down.sh.
-if [[ ! -s "$C/sysctl.saved" ]]; then
+# The kubelet (protectKernelDefaults: false) sets these host sysctls; remember them for down.sh
+# (with no node on the host, no kubelet here changes them).
+if [[ -n "$NODES" && ! -s "$C/sysctl.saved" ]]; then
   for k in vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_on_oops kernel/keys/root_maxkeys kernel/keys/root_maxbytes; do
     if [[ -r /proc/sys/$k ]]; then echo "$k $(cat /proc/sys/$k)"; fi
   done >"$C/sysctl.saved"

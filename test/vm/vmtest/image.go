@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -29,9 +30,12 @@ const CacheDir = "/var/tmp/modeguard-vm"
 // crypto API for crc32c at mount, a soft dependency), loop the
 // block backend's volumes, target_core_file and iscsi_target_mod the LIO
 // iSCSI target serving image files (with configfs, mounted by init),
-// iscsi_tcp and sd_mod the iSCSI initiator and the disks it finds.
+// iscsi_tcp and sd_mod the iSCSI initiator and the disks it finds,
+// overlay and veth what a Kubernetes node needs (containerd's overlayfs
+// snapshotter; the pods' network: see hack/local-cluster/vm-node.sh): the
+// host's modprobe cannot load this kernel's modules.
 var bootModules = []string{"virtio_pci", "virtio_net", "9pnet_virtio", "9p", "nfsv4", "virtio_blk", "crc32c_generic", "ext4", "loop",
-	"target_core_mod", "target_core_file", "iscsi_target_mod", "iscsi_tcp", "sd_mod"}
+	"target_core_mod", "target_core_file", "iscsi_target_mod", "iscsi_tcp", "sd_mod", "overlay", "veth"}
 
 // initScript is /init of the initramfs: busybox sh, run as PID 1. It stays
 // PID 1 while the agent runs (busybox sh reaps orphans while it waits) and
@@ -99,8 +103,8 @@ func imageVersion() string {
 	return hex.EncodeToString(h.Sum(nil))[:10]
 }
 
-// image is a bootable kernel and initramfs.
-type image struct {
+// Image is a bootable kernel and initramfs (PrepareImage).
+type Image struct {
 	Kernel string // vmlinux (uncompressed, PVH entry) or, failing that, vmlinuz
 	Initrd string // uncompressed newc cpio
 }
@@ -110,20 +114,21 @@ type errSkip struct{ msg string }
 
 func (e errSkip) Error() string { return e.msg }
 
-// prepareImage returns the cached image for the kernel that
+// PrepareImage returns the cached image for the kernel that
 // linux-image-amd64 depends on now, building it first when missing. Builds
-// by parallel test processes are serialised with a lock file.
-func prepareImage(logf func(string, ...any)) (image, error) {
+// by parallel processes are serialised with a lock file. Its error is an
+// errSkip when a tool is missing (Start then skips the test).
+func PrepareImage(logf func(string, ...any)) (Image, error) {
 	if err := os.MkdirAll(CacheDir, 0o755); err != nil {
-		return image{}, err
+		return Image{}, err
 	}
 	lock, err := os.OpenFile(filepath.Join(CacheDir, ".lock"), os.O_CREATE|os.O_RDWR, 0o644)
 	if err != nil {
-		return image{}, err
+		return Image{}, err
 	}
 	defer lock.Close()
 	if err := unix.Flock(int(lock.Fd()), unix.LOCK_EX); err != nil {
-		return image{}, fmt.Errorf("locking %s: %w", lock.Name(), err)
+		return Image{}, fmt.Errorf("locking %s: %w", lock.Name(), err)
 	}
 	defer unix.Flock(int(lock.Fd()), unix.LOCK_UN)
 
@@ -134,49 +139,59 @@ func prepareImage(logf func(string, ...any)) (image, error) {
 			logf("vmtest: %v; using the cached %s", err, filepath.Dir(img.Kernel))
 			return img, nil
 		}
-		return image{}, err
+		return Image{}, err
 	}
 	dir := filepath.Join(CacheDir, kpkg+"-"+imageVersion())
-	img := image{Kernel: filepath.Join(dir, "vmlinux"), Initrd: filepath.Join(dir, "initrd.cpio")}
+	img := Image{Kernel: filepath.Join(dir, "vmlinux"), Initrd: filepath.Join(dir, "initrd.cpio")}
 	if _, err := os.Stat(filepath.Join(dir, "ready")); err == nil {
 		if _, err := os.Stat(img.Kernel); err != nil {
 			img.Kernel = filepath.Join(dir, "vmlinuz")
 		}
+		// In use: see the removal of other images below.
+		now := time.Now()
+		_ = os.Chtimes(filepath.Join(dir, "ready"), now, now)
 		return img, nil
 	}
 	for _, tool := range []string{"apt-get", "dpkg-deb"} {
 		if _, err := exec.LookPath(tool); err != nil {
-			return image{}, errSkip{fmt.Sprintf("no cached VM image in %s and no %s to make one", CacheDir, tool)}
+			return Image{}, errSkip{fmt.Sprintf("no cached VM image in %s and no %s to make one", CacheDir, tool)}
 		}
 	}
 	logf("vmtest: building the VM image for %s in %s", kpkg, dir)
 	tmp, err := os.MkdirTemp(CacheDir, ".build-")
 	if err != nil {
-		return image{}, err
+		return Image{}, err
 	}
 	defer os.RemoveAll(tmp)
 	if err := buildImage(tmp, kpkg); err != nil {
-		return image{}, err
+		return Image{}, err
 	}
 	if err := os.RemoveAll(dir); err != nil {
-		return image{}, err
+		return Image{}, err
 	}
 	if err := os.Rename(filepath.Join(tmp, "out"), dir); err != nil {
-		return image{}, err
+		return Image{}, err
 	}
 	if _, err := os.Stat(img.Kernel); err != nil {
 		img.Kernel = filepath.Join(dir, "vmlinuz")
 	}
 	if err := os.WriteFile(filepath.Join(dir, "ready"), nil, 0o644); err != nil {
-		return image{}, err
+		return Image{}, err
 	}
-	// Images of other kernels or init scripts are not kept (about 75 MB each).
+	// Images of other kernels or init scripts are not kept (about 75 MB
+	// each), unless one was used within the last hour: a checkout with
+	// another init script or module list (another branch) may be running
+	// VMs from it now.
 	old, _ := filepath.Glob(filepath.Join(CacheDir, "linux-image-*"))
 	for _, o := range old {
-		if o != dir {
-			logf("vmtest: removing the outdated VM image %s", o)
-			os.RemoveAll(o)
+		if o == dir {
+			continue
 		}
+		if fi, err := os.Stat(filepath.Join(o, "ready")); err == nil && time.Since(fi.ModTime()) < time.Hour {
+			continue
+		}
+		logf("vmtest: removing the outdated VM image %s", o)
+		os.RemoveAll(o)
 	}
 	return img, nil
 }
@@ -210,20 +225,20 @@ func kernelPackage() (string, error) {
 	return "", errSkip{"apt-cache knows no linux-image-amd64 kernel"}
 }
 
-func newestCached() (image, bool) {
+func newestCached() (Image, bool) {
 	dirs, _ := filepath.Glob(filepath.Join(CacheDir, "linux-image-*-"+imageVersion()))
 	sort.Strings(dirs)
 	for i := len(dirs) - 1; i >= 0; i-- {
 		if _, err := os.Stat(filepath.Join(dirs[i], "ready")); err != nil {
 			continue
 		}
-		img := image{Kernel: filepath.Join(dirs[i], "vmlinux"), Initrd: filepath.Join(dirs[i], "initrd.cpio")}
+		img := Image{Kernel: filepath.Join(dirs[i], "vmlinux"), Initrd: filepath.Join(dirs[i], "initrd.cpio")}
 		if _, err := os.Stat(img.Kernel); err != nil {
 			img.Kernel = filepath.Join(dirs[i], "vmlinuz")
 		}
 		return img, true
 	}
-	return image{}, false
+	return Image{}, false
 }
 
 func run(dir, name string, args ...string) error {

@@ -88,7 +88,7 @@ type Cluster struct {
 
 	tb      testing.TB
 	opts    Options
-	img     image
+	img     Image
 	nsName  string
 	nsMade  bool
 	taps    []string
@@ -159,7 +159,7 @@ func Start(t testing.TB, opts Options) *Cluster {
 	}
 
 	t0 := time.Now()
-	img, err := prepareImage(t.Logf)
+	img, err := PrepareImage(t.Logf)
 	var skip errSkip
 	if errors.As(err, &skip) {
 		t.Skipf("vmtest: %v", err)
@@ -202,7 +202,7 @@ func Start(t testing.TB, opts Options) *Cluster {
 	}}
 	t.Cleanup(c.cleanup)
 
-	if err := buildAgent(filepath.Join(work, "agent")); err != nil {
+	if err := BuildAgent(filepath.Join(work, "agent")); err != nil {
 		t.Fatalf("vmtest: %v", err)
 	}
 	for i := range opts.VMs {
@@ -217,7 +217,7 @@ func Start(t testing.TB, opts Options) *Cluster {
 			t.Fatalf("vmtest: %v", err)
 		}
 		if opts.NodeDiskMB > 0 {
-			if err := makeNodeDisk(v.diskPath(), opts.NodeDiskMB); err != nil {
+			if err := MakeNodeDisk(v.diskPath(), opts.NodeDiskMB); err != nil {
 				t.Fatalf("vmtest: %v", err)
 			}
 		}
@@ -278,8 +278,9 @@ func (v *VM) setHostname() error {
 
 func (v *VM) diskPath() string { return filepath.Join(v.dir, "disk.img") }
 
-// makeNodeDisk makes a sparse file of mb MiB holding an empty ext4.
-func makeNodeDisk(path string, mb int) error {
+// MakeNodeDisk makes a sparse file of mb MiB holding an empty ext4, a VM's
+// node disk (Machine.Disk).
+func MakeNodeDisk(path string, mb int) error {
 	f, err := os.Create(path)
 	if err != nil {
 		return err
@@ -327,8 +328,9 @@ func (v *VM) Reboot(ctx context.Context) error {
 	return v.setHostname()
 }
 
-// buildAgent builds test/vm/agent, static, at dst.
-func buildAgent(dst string) error {
+// BuildAgent builds test/vm/agent, static, at dst: a VM's init runs
+// Machine.WorkDir/agent.
+func BuildAgent(dst string) error {
 	_, self, _, ok := runtime.Caller(0)
 	if !ok {
 		return errors.New("cannot tell where package vmtest's source is")
@@ -442,24 +444,59 @@ func (c *Cluster) setupNetwork() error {
 	return nil
 }
 
-// boot starts the VM's qemu inside the server namespace.
-func (v *VM) boot(img image) error {
-	c := v.c
-	a := v.Addr.As4()
-	args := []string{"--net=" + c.ServerNS, "--", "qemu-system-x86_64",
-		"-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "1", "-m", strconv.Itoa(c.opts.MemoryMB),
+// Machine is what QemuArgs needs to know of one VM.
+type Machine struct {
+	Name     string     // the VM's name (its directory below WorkDir)
+	Addr     netip.Addr // its address on the bridge, a /24
+	WorkDir  string     // host directory holding agent and Name/local (safePath)
+	MemoryMB int
+	Tap      string // the tap device its network card is attached to
+	Console  string // file the serial console is written to
+	Disk     string // the node disk (MakeNodeDisk), mounted at WorkDir/Name/local; "" for a tmpfs there
+	// TBSizeMB bounds qemu's cache of translated code (0: qemu's default,
+	// 1 GiB, which a VM running a kubelet fills to about half).
+	TBSizeMB int
+}
+
+// QemuArgs returns the arguments of qemu-system-x86_64 that boot m from img
+// under software emulation: one CPU, the host's root over 9p, one network
+// card on m.Tap, the node disk if any. The VM's init (initScript) mounts
+// the host's root, chroots into it and runs WorkDir/agent (BuildAgent).
+func QemuArgs(img Image, m Machine) []string {
+	a := m.Addr.As4()
+	disk := 0
+	if m.Disk != "" {
+		disk = 1
+	}
+	accel := "tcg,thread=multi"
+	if m.TBSizeMB > 0 {
+		accel += ",tb-size=" + strconv.Itoa(m.TBSizeMB)
+	}
+	args := []string{
+		"-accel", accel, "-cpu", "max", "-smp", "1", "-m", strconv.Itoa(m.MemoryMB),
 		"-nographic", "-nodefaults", "-no-user-config", "-no-reboot",
 		"-kernel", img.Kernel, "-initrd", img.Initrd,
-		"-append", fmt.Sprintf("console=ttyS0 quiet panic=-1 mgname=%s mgaddr=%s/24 mgwork=%s mgdisk=%d", v.Name, v.Addr, c.WorkDir, min(c.opts.NodeDiskMB, 1)),
-		"-serial", "file:" + v.console,
+		"-append", fmt.Sprintf("console=ttyS0 quiet panic=-1 mgname=%s mgaddr=%s/24 mgwork=%s mgdisk=%d", m.Name, m.Addr, m.WorkDir, disk),
+		"-serial", "file:" + m.Console,
 		"-virtfs", "local,path=/,mount_tag=hostroot,security_model=passthrough,id=hostroot,multidevs=remap",
-		"-netdev", "tap,id=net0,ifname=" + v.tap + ",script=no,downscript=no",
+		"-netdev", "tap,id=net0,ifname=" + m.Tap + ",script=no,downscript=no",
 		"-device", fmt.Sprintf("virtio-net-pci,netdev=net0,romfile=,mac=52:54:00:%02x:%02x:%02x", a[1], a[2], a[3]),
 	}
-	if c.opts.NodeDiskMB > 0 {
-		args = append(args, "-drive", "file="+v.diskPath()+",format=raw,if=none,id=disk0",
+	if m.Disk != "" {
+		args = append(args, "-drive", "file="+m.Disk+",format=raw,if=none,id=disk0",
 			"-device", "virtio-blk-pci,drive=disk0,romfile=")
 	}
+	return args
+}
+
+// boot starts the VM's qemu inside the server namespace.
+func (v *VM) boot(img Image) error {
+	c := v.c
+	m := Machine{Name: v.Name, Addr: v.Addr, WorkDir: c.WorkDir, MemoryMB: c.opts.MemoryMB, Tap: v.tap, Console: v.console}
+	if c.opts.NodeDiskMB > 0 {
+		m.Disk = v.diskPath()
+	}
+	args := append([]string{"--net=" + c.ServerNS, "--", "qemu-system-x86_64"}, QemuArgs(img, m)...)
 	logFile, err := os.Create(filepath.Join(v.dir, "qemu.log"))
 	if err != nil {
 		return err

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Runs inside a worker VM (vm-up.sh runs it through the VM's agent): makes the VM a node of
+# the cluster in CLUSTER_DIR, a containerd and a kubelet joining the apiserver at
+# API_ADDRESS over the bridge. The VM's root filesystem is the host's, seen over 9p, so the
+# host's binaries (_build) run here; its kernel, mounts, /run, /proc, /sys, cgroups, sysctls
+# and network are its own. What the node keeps goes to its node disk, mounted at LOCAL:
+#   LOCAL/node/kubelet           bound at /var/lib/kubelet (shared, for Bidirectional mounts)
+#   LOCAL/node/containerd/...    containerd's root; its state and socket are in /run/containerd
+#   LOCAL/node/container-logs    bound at /var/log/containers; pod logs in LOCAL/node/pod-logs
+#   LOCAL/node/cni/...           the CNI configuration (pods in POD_SUBNET.0/24) and leases
+# Logs go to LOGS on the host (containerd.log, kubelet.log); the PIDs to /run/modeguard-node.
+# Environment: NODE (the node's name: its address on the bridge), POD_SUBNET (three octets,
+# e.g. 10.244.10), LOCAL, LOGS, CLUSTER_DIR, API_ADDRESS, BUILD_DIR. Returns once the
+# kubelet answers on /healthz.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+: "${NODE:?}" "${POD_SUBNET:?}" "${LOCAL:?}" "${LOGS:?}" "${CLUSTER_DIR:?}" "${API_ADDRESS:?}"
+LOG_TAG="vm-node $NODE"
+NODES=""
+# shellcheck source=lib.sh
+source "$HERE/lib.sh"
+uptime_s() { local u _; read -r u _ </proc/uptime; echo "$u"; }
+step() { log "[uptime $(uptime_s) s] $*"; }
+
+N="$LOCAL/node"
+RUN=/run/modeguard-node
+mkdir -p "$N"/{kubelet,containerd/root,containerd/opt,cni/net.d,cni/data,container-logs,pod-logs} "$RUN" "$LOGS"
+
+# cgroup v2, every controller delegated from the root (the kubelet's cgroupfs driver makes
+# kubepods below it).
+if ! mountpoint -q /sys/fs/cgroup; then mount -t cgroup2 cgroup2 /sys/fs/cgroup; fi
+for c in $(cat /sys/fs/cgroup/cgroup.controllers); do
+  echo "+$c" >/sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || log "cannot delegate cgroup controller $c"
+done
+# The node's own directories over the host's (bind mounts in the VM's mount table only).
+mountpoint -q /var/lib/kubelet || mount --bind "$N/kubelet" /var/lib/kubelet
+mount --make-shared /var/lib/kubelet
+mountpoint -q /var/log/containers || mount --bind "$N/container-logs" /var/log/containers
+# What the node's programs put in /tmp stays in the VM.
+mountpoint -q /tmp || mount -t tmpfs -o mode=1777 tmp /tmp
+if [[ -f /etc/machine-id ]] && ! mountpoint -q /etc/machine-id; then
+  printf '%s\n' "$(printf '%s' "$NODE" | sha256sum | cut -c1-32)" >"$N/machine-id"
+  mount --bind "$N/machine-id" /etc/machine-id
+fi
+# Pods reach the bridge (and the host them) through the VM.
+echo 1 >/proc/sys/net/ipv4/ip_forward
+
+cat >"$N/cni/net.d/10-modeguard.conflist" <<EOF
+{
+  "cniVersion": "0.4.0",
+  "name": "modeguard-vm",
+  "plugins": [
+    {"type": "modeguard-veth", "subnet": "$POD_SUBNET.0/24", "gateway": "$POD_SUBNET.1", "dataDir": "$N/cni/data"}
+  ]
+}
+EOF
+sock=/run/containerd/containerd.sock
+cat >"$N/containerd/config.toml" <<EOF
+version = 2
+root = "$N/containerd/root"
+state = "/run/containerd/state"
+disabled_plugins = [
+  "io.containerd.snapshotter.v1.aufs",
+  "io.containerd.snapshotter.v1.btrfs",
+  "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.snapshotter.v1.devmapper",
+]
+[grpc]
+  address = "$sock"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "$N/containerd/opt"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "registry.k8s.io/pause:3.10"
+  stream_server_address = "$NODE"
+  stream_server_port = "0"
+  enable_selinux = false
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        BinaryName = "$DEBS/runc"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "$BUILD/cni/bin"
+    conf_dir = "$N/cni/net.d"
+EOF
+
+# daemon NAME COMMAND...: in a session of its own (the agent waits for this script only),
+# output appended to LOGS/NAME.log, PID in RUN/NAME.pid.
+daemon() {
+  local name=$1; shift
+  setsid "$@" </dev/null >>"$LOGS/$name.log" 2>&1 &
+  echo $! >"$RUN/$name.pid"
+}
+
+step "starting containerd"
+daemon containerd containerd --config "$N/containerd/config.toml"
+wait_for "containerd" "$WAIT" ctr --address "$sock" version
+step "containerd answers; importing the images"
+"$HERE/images.sh" "$sock" >/dev/null
+step "images imported"
+
+cat >"$N/kubelet/config.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: $NODE
+port: 10250
+readOnlyPort: 0
+healthzBindAddress: $NODE
+healthzPort: 10248
+tlsCertFile: $P/kubelet-serving-$NODE.crt
+tlsPrivateKeyFile: $P/kubelet-serving-$NODE.key
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: $P/ca.crt}
+authorization:
+  mode: Webhook
+cgroupDriver: cgroupfs
+cgroupsPerQOS: true
+failSwapOn: false
+containerRuntimeEndpoint: unix://$sock
+staticPodPath: ""
+evictionHard:
+  memory.available: "50Mi"
+  nodefs.available: "1%"
+  nodefs.inodesFree: "1%"
+  imagefs.available: "1%"
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+clusterDomain: cluster.local
+resolvConf: /etc/resolv.conf
+serializeImagePulls: false
+podLogsDir: $N/pod-logs
+EOF
+kubeconfig "$N/kubelet.kubeconfig" "kubelet-$NODE"
+step "starting the kubelet"
+daemon kubelet kubelet --config="$N/kubelet/config.yaml" --kubeconfig="$N/kubelet.kubeconfig" \
+  --hostname-override="$NODE" --node-ip="$NODE" --v=1
+wait_for "kubelet /healthz" "$WAIT" curl -sf "http://$NODE:10248/healthz"
+step "kubelet healthy"
