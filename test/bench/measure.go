@@ -245,25 +245,42 @@ func throughTarget(ctx context.Context, b *bench) ([]row, error) {
 }
 
 // lifecycle: the full life of a 1 GiB volume, raw block and ext4, against
-// the bare commands underneath (the floor), on a pool directory on the
-// disk and on the pool a default install gets there.
+// the bare commands underneath (the floor), on each pool onEachPool
+// compares.
 func lifecycle(ctx context.Context, b *bench) ([]row, error) {
+	return b.onEachPool(ctx, "lifecycle", func(p *blockPair, pool string) ([]row, error) {
+		suffix := ""
+		if pool != blockPoolOnDisk {
+			suffix = ", " + pool
+		}
+		return lifecycleOn(ctx, b, p, suffix)
+	})
+}
+
+// blockPoolOnDisk names the pool directory on the machine's disk, used as
+// it is; the other pools onEachPool measures are kept in such a directory.
+const blockPoolOnDisk = "pool directory on the disk"
+
+// onEachPool starts a controller and node plugin on each pool the block
+// measurements compare (the directory on the disk, the pool a default
+// install keeps there, a kept xfs), runs measure on it and stops them.
+func (b *bench) onEachPool(ctx context.Context, name string, measure func(p *blockPair, pool string) ([]row, error)) ([]row, error) {
 	var rows []row
 	for _, pool := range []struct {
-		suffix string
-		start  func(context.Context, string) (*blockPair, error)
+		name  string
+		start func(context.Context, string) (*blockPair, error)
 	}{
-		{"", b.startBlockPair},
-		{", default pool (kept btrfs)", b.startDefaultBlockPair},
-		{", kept xfs", func(ctx context.Context, name string) (*blockPair, error) {
+		{blockPoolOnDisk, b.startBlockPair},
+		{"default pool (kept btrfs)", b.startDefaultBlockPair},
+		{"kept xfs", func(ctx context.Context, name string) (*blockPair, error) {
 			return b.startKeptBlockPair(ctx, name, "--block-pool-filesystem=xfs")
 		}},
 	} {
-		p, err := pool.start(ctx, "lifecycle")
+		p, err := pool.start(ctx, name)
 		if err != nil {
 			return rows, err
 		}
-		r, err := lifecycleOn(ctx, b, p, pool.suffix)
+		r, err := measure(p, pool.name)
 		rows = append(rows, r...)
 		if err != nil {
 			return rows, err
@@ -393,31 +410,12 @@ const concurrencyVolumeSize = 256 << 20
 const scaleVolumeSize = 1 << 20
 
 // concurrency: -concurrent CreateVolume calls at once, then as many
-// DeleteVolume calls, against the same calls one at a time.
+// DeleteVolume calls, against the same calls one at a time, on each of
+// the pools onEachPool compares.
 func concurrency(ctx context.Context, b *bench) ([]row, error) {
-	var rows []row
-	for _, pool := range []struct {
-		name  string
-		start func(context.Context, string) (*blockPair, error)
-	}{
-		{"pool directory on the disk", b.startBlockPair},
-		{"default pool (kept btrfs)", b.startDefaultBlockPair},
-		{"kept xfs", func(ctx context.Context, name string) (*blockPair, error) {
-			return b.startKeptBlockPair(ctx, name, "--block-pool-filesystem=xfs")
-		}},
-	} {
-		p, err := pool.start(ctx, "concurrency")
-		if err != nil {
-			return rows, err
-		}
-		r, err := concurrencyOn(ctx, b, p, pool.name)
-		rows = append(rows, r...)
-		if err != nil {
-			return rows, err
-		}
-		b.cleanup()
-	}
-	return rows, nil
+	return b.onEachPool(ctx, "concurrency", func(p *blockPair, pool string) ([]row, error) {
+		return concurrencyOn(ctx, b, p, pool)
+	})
 }
 
 func concurrencyOn(ctx context.Context, b *bench, p *blockPair, where string) ([]row, error) {
