@@ -25,8 +25,30 @@ import (
 
 // DefaultMountOptions are used unless the volume capability's mount flags
 // set the same option: NFSv4.2 over TCP, hard mounts (a server restart stalls
-// I/O rather than failing it), the kernel's usual timeouts.
-var DefaultMountOptions = []string{"vers=4.2", "proto=tcp", "hard", "timeo=600", "retrans=2"}
+// I/O rather than failing it), the kernel's usual timeouts, and nosharecache.
+//
+// nosharecache gives each volume's mount a superblock of its own. The
+// volumes of one server lie on one filesystem there (one fsid), so the
+// kernel would otherwise put every export of that server mounted on a node
+// on one superblock, with one device number; the kubelet then takes the
+// staging mount of each volume for a reference to the other's and never
+// unstages either while both are staged (GetDeviceMountRefs). The mount
+// flag "sharecache" is refused for this reason (checkNoSharedCache).
+var DefaultMountOptions = []string{"vers=4.2", "proto=tcp", "hard", "timeo=600", "retrans=2", "nosharecache"}
+
+// checkNoSharedCache refuses mount flags that would make volumes share a
+// superblock (see DefaultMountOptions).
+func checkNoSharedCache(flags []string) error {
+	for _, f := range flags {
+		for _, o := range backend.SplitMountOptions(f) {
+			if o == "sharecache" {
+				return status.Error(codes.InvalidArgument,
+					`mount flag "sharecache" is not possible for NFS volumes: every volume's mount needs a superblock of its own (nosharecache, the default), or the kubelet cannot unstage volumes of one server staged on one node; remove it from the StorageClass's mountOptions`)
+			}
+		}
+	}
+	return nil
+}
 
 // healthTimeout bounds how long a health check waits for a server that does
 // not answer: a hung statfs means the mount is unusable.
@@ -156,6 +178,9 @@ func (n *Node) Stage(ctx context.Context, req backend.StageRequest) (*backend.St
 	}
 	src, port, err := source(req.VolumeContext)
 	if err != nil {
+		return nil, err
+	}
+	if err := checkNoSharedCache(req.MountFlags); err != nil {
 		return nil, err
 	}
 	// The export is the volume's own: a volume context naming another

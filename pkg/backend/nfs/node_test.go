@@ -67,7 +67,7 @@ func TestStageWithFakeKernelMount(t *testing.T) {
 		code     codes.Code
 	}{
 		{name: "defaults", volCtx: goodContext, source: "10.99.0.1:" + goodShare,
-			want:    []string{"vers=4.2", "proto=tcp", "hard", "timeo=600", "retrans=2", "addr=10.99.0.1", "clientaddr=10.0.0.11"},
+			want:    []string{"vers=4.2", "proto=tcp", "hard", "timeo=600", "retrans=2", "nosharecache", "addr=10.99.0.1", "clientaddr=10.0.0.11"},
 			notWant: []string{"ro", "port=2049"}},
 		{name: "CO sets clientaddr", volCtx: goodContext, flags: []string{"clientaddr=10.0.0.99"}, source: "10.99.0.1:" + goodShare,
 			want: []string{"clientaddr=10.0.0.99"}, notWant: []string{"clientaddr=10.0.0.11"}},
@@ -81,6 +81,9 @@ func TestStageWithFakeKernelMount(t *testing.T) {
 			want: []string{"ro"}, notWant: []string{"rw"}},
 		{name: "read-only last after a flag that means rw", volCtx: goodContext, flags: []string{"ro", "defaults"}, readOnly: true,
 			source: "10.99.0.1:" + goodShare, last: "ro"},
+		{name: "sharecache refused", volCtx: goodContext, flags: []string{"noatime,sharecache"}, code: codes.InvalidArgument},
+		{name: "nosharecache from the CO", volCtx: goodContext, flags: []string{"nosharecache"}, source: "10.99.0.1:" + goodShare,
+			want: []string{"nosharecache"}},
 		{name: "other port", volCtx: map[string]string{ContextServer: "10.99.0.1", ContextShare: goodShare, ContextPort: "20490"},
 			source: "10.99.0.1:" + goodShare, want: []string{"port=20490"}},
 		{name: "IPv6 server", volCtx: map[string]string{ContextServer: "fd00::1", ContextShare: goodShare}, source: "[fd00::1]:" + goodShare},
