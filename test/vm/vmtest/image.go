@@ -32,10 +32,13 @@ const CacheDir = "/var/tmp/modeguard-vm"
 // iSCSI target serving image files (with configfs, mounted by init),
 // iscsi_tcp and sd_mod the iSCSI initiator and the disks it finds,
 // overlay and veth what a Kubernetes node needs (containerd's overlayfs
-// snapshotter; the pods' network: see hack/local-cluster/vm-node.sh): the
-// host's modprobe cannot load this kernel's modules.
+// snapshotter; the pods' network: see hack/local-cluster/vm-node.sh), xfs
+// the filesystem with reflinks a block pool on the node disk's ext4 keeps
+// (--block-pool-filesystem=auto; btrfs would load raid6_pq, whose
+// benchmark at load is slow under emulation): the host's modprobe cannot
+// load this kernel's modules.
 var bootModules = []string{"virtio_pci", "virtio_net", "9pnet_virtio", "9p", "nfsv4", "virtio_blk", "crc32c_generic", "ext4", "loop",
-	"target_core_mod", "target_core_file", "iscsi_target_mod", "iscsi_tcp", "sd_mod", "overlay", "veth"}
+	"target_core_mod", "target_core_file", "iscsi_target_mod", "iscsi_tcp", "sd_mod", "overlay", "veth", "xfs"}
 
 // initScript is /init of the initramfs: busybox sh, run as PID 1. It stays
 // PID 1 while the agent runs (busybox sh reaps orphans while it waits) and
@@ -88,12 +91,20 @@ else
 fi
 mkdir -p "/host$local/tmp"
 chmod 1777 "/host$local/tmp"
+# The host's root becomes the namespace's "/" (what switch_root does), not a chroot's:
+# a mount namespace copied from this one then has it at its root, so a container's
+# pivot_root lays the container's root over "/", where a process entering the
+# namespace (runc exec, kubectl exec) finds it; under a chroot at /host it would find
+# the initramfs. busybox stays reachable for the last steps, in the VM's own /run.
+cp /bin/busybox /host/run/mgvm-busybox
+cd /host
+mount --move /host / || { say "moving the host's root to / failed"; poweroff -f; }
 say "starting the agent"
-chroot /host /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+chroot . /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
 	HOME=/root TMPDIR="$local/tmp" "$mgwork/agent" -name "$mgname" -listen ":` + agentPortString + `"
 say "the agent exited with status $?"
-sync
-poweroff -f
+/run/mgvm-busybox sync
+/run/mgvm-busybox poweroff -f
 `
 
 // imageVersion changes whenever what goes into the image changes.
