@@ -5,7 +5,7 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 GOTEST_FLAGS ?= -race -count=1
 
-.PHONY: tools-dir all build image bench cluster-up cluster-down cluster-up-vm cluster-down-vm conformance demo helm-lint test test-all test-static test-e2e-build test-e2e-images test-go test-fuzz test-leftovers test-vm test-vm-nfs-quota test-e2e test-unit test-integration test-sanity fuzz vet fmt-check clean
+.PHONY: tools-dir all build image bench cluster-up cluster-down cluster-up-vm cluster-down-vm test-e2e-vm conformance demo helm-lint test test-all test-static test-e2e-build test-e2e-images test-go test-fuzz test-leftovers test-vm test-vm-nfs-quota test-e2e test-unit test-integration test-sanity fuzz vet fmt-check clean
 
 all: build
 
@@ -63,6 +63,7 @@ $(HELM): | tools-dir
 helm-lint: $(HELM)
 	$(HELM) lint --strict deploy/helm/modeguard
 	$(HELM) lint --strict deploy/helm/modeguard --values hack/local-cluster/helm-values.yaml
+	$(HELM) lint --strict deploy/helm/modeguard --values hack/local-cluster/vm-helm-values.yaml
 	$(HELM) template modeguard deploy/helm/modeguard --namespace modeguard >/dev/null
 
 cluster-up: build $(HELM)
@@ -74,15 +75,35 @@ cluster-up: build $(HELM)
 	bash hack/local-cluster/deploy.sh
 
 # The same control plane on the host with worker nodes in qemu VMs on
-# Debian's kernel (hack/local-cluster/vm-up.sh, docs/vm-cluster.md): no
-# driver installed yet. One cluster at a time on this machine: cluster-up
-# and cluster-up-vm use the same ports.
-cluster-up-vm:
+# Debian's kernel, whose NFS client and iSCSI initiator the host's kernel
+# lacks (hack/local-cluster/vm-up.sh, docs/vm-cluster.md), and modeguard
+# installed with its chart (vm-deploy.sh). It runs beside the local cluster:
+# the two share no port.
+cluster-up-vm: build $(HELM)
 	bash hack/local-cluster/build.sh
+	bash hack/images/base.sh
+	bash hack/images/modeguard.sh
+	bash hack/images/sidecars.sh all
 	bash hack/local-cluster/vm-up.sh
+	bash hack/local-cluster/vm-deploy.sh
 
 cluster-down-vm:
 	bash hack/local-cluster/vm-down.sh
+
+# The stories of test/e2e that need nodes of their own kernel, on the VM
+# cluster: NFS volumes mounted by pods. The cluster goes down afterwards
+# whatever the result.
+E2E_VM_TESTS := ^TestNFS(RWODeploymentOnTwoNodes|RollingUpdateHandsTheClaimOver|StatefulSetPodComesBackElsewhere|AccessModesAcrossNodes|FsGroup|PodSurvivesItsNodeRebooting|KubeletRestartReconstructsTheMount)$$
+test-e2e-vm: $(HELM)
+	@rc=0; \
+	if $(MAKE) cluster-up-vm; then \
+		MODEGUARD_E2E_KUBECONFIG=$(CURDIR)/_build/cluster-vm/admin.kubeconfig \
+		MODEGUARD_E2E_NODES=10.98.0.21,10.98.0.22,10.98.0.23 MODEGUARD_E2E_NFS_CLIENTS=1 \
+		MODEGUARD_E2E_VM_DIR=$(CURDIR)/_build/cluster-vm/vms MODEGUARD_E2E_TIMEOUT_SCALE=3 \
+			$(GO) test $(GOTEST_FLAGS) -timeout 45m -v -run '$(E2E_VM_TESTS)' ./test/e2e/ || rc=$$?; \
+	else rc=1; fi; \
+	bash hack/local-cluster/vm-down.sh || rc=$${rc/#0/1}; \
+	exit $$rc
 
 # Every modeguard volume deleted through Kubernetes first (so the driver
 # unpublishes, detaches and deletes them), then the cluster stopped by PID.
@@ -167,7 +188,7 @@ test: tools-dir
 test-all: tools-dir
 	@MODEGUARD_TESTS=all CONFORMANCE_SUITES='$(CONFORMANCE_ALL)' \
 		bash hack/phases.sh "make test-all" $(GATE_TESTS) vm-nfs-quota=test-vm-nfs-quota \
-		kind=test-kind leftovers=test-leftovers
+		kind=test-kind e2e-vm=test-e2e-vm leftovers=test-leftovers
 
 test-static: fmt-check vet build $(KUSTOMIZE) helm-lint
 

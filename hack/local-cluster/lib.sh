@@ -84,6 +84,52 @@ current-context: local
 EOF
 }
 
+# containerd_config ROOT STATE SOCKET OPT [ADDRESS CNI_CONF_DIR [CRI_LINES]]: a node's containerd
+# configuration on stdout (local cluster, VM nodes, vm-seed.sh). With ADDRESS, the CRI for a
+# kubelet: streams served on ADDRESS, runc from _build, pods' network from CNI_CONF_DIR, the
+# overlayfs snapshotter, CRI_LINES added to its section. Without, no CRI: a containerd that
+# only imports images.
+containerd_config() {
+  local root=$1 state=$2 sock=$3 opt=$4 addr=${5:-} cni=${6:-} extra=${7:-} nocri=""
+  [[ -n "$addr" ]] || nocri='  "io.containerd.grpc.v1.cri",'
+  cat <<EOF
+version = 2
+root = "$root"
+state = "$state"
+disabled_plugins = [
+${nocri:+$nocri
+}  "io.containerd.snapshotter.v1.aufs",
+  "io.containerd.snapshotter.v1.btrfs",
+  "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.snapshotter.v1.devmapper",
+]
+[grpc]
+  address = "$sock"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "$opt"
+EOF
+  [[ -n "$addr" ]] || return 0
+  cat <<EOF
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "registry.k8s.io/pause:3.10"
+${extra:+$extra
+}  stream_server_address = "$addr"
+  stream_server_port = "0"
+  enable_selinux = false
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        BinaryName = "$DEBS/runc"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "$BUILD/cni/bin"
+    conf_dir = "$cni"
+EOF
+}
+
 # start_node NAME INDEX: containerd (own root, state and socket; a kubelet treats every pod
 # its runtime reports as its own, so nodes cannot share one), the CNI config (pods of node
 # INDEX get 10.244.INDEX.0/24), and the kubelet.
@@ -111,41 +157,10 @@ start_node() {
   ]
 }
 EOF
-  cat >"$N/containerd/config.toml" <<EOF
-version = 2
-root = "$N/containerd/root"
-state = "$N/containerd/state"
-disabled_plugins = [
-  "io.containerd.snapshotter.v1.aufs",
-  "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.zfs",
-  "io.containerd.snapshotter.v1.devmapper",
-]
-[grpc]
-  address = "$sock"
-[ttrpc]
-  address = "$sock.ttrpc"
-[plugins."io.containerd.internal.v1.opt"]
-  path = "$N/containerd/opt"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "registry.k8s.io/pause:3.10"
-  restrict_oom_score_adj = true
-  netns_mounts_under_state_dir = true
-  stream_server_address = "$ip"
-  stream_server_port = "0"
-  enable_selinux = false
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        SystemdCgroup = false
-        BinaryName = "$DEBS/runc"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "$BUILD/cni/bin"
-    conf_dir = "$N/cni/net.d"
-EOF
+  # On one host: the kubelets of this host's nodes share its kernel and its OOM scores, and
+  # network namespaces go below the node's own state directory.
+  containerd_config "$N/containerd/root" "$N/containerd/state" "$sock" "$N/containerd/opt" "$ip" "$N/cni/net.d" \
+    $'  restrict_oom_score_adj = true\n  netns_mounts_under_state_dir = true' >"$N/containerd/config.toml"
   log "starting containerd for node $name"
   start "containerd-$name" containerd --config "$N/containerd/config.toml"
   wait_for "containerd socket of $name" "$WAIT" ctr --address "$sock" version

@@ -27,4 +27,7 @@ if [[ -e /sys/class/net/$VM_BRIDGE ]]; then
 fi
 # The node disks (sparse, up to VM_DISK_MB each) are made anew by every vm-up.sh.
 rm -f "$C"/vms/*/disk.img
+# The mount points vm-node.sh made in the root the VMs share with the host (9p), where
+# nothing else was: removed while empty.
+rmdir /var/lib/modeguard /etc/modeguard 2>/dev/null || true
 exit $rc

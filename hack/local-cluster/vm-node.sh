@@ -8,10 +8,14 @@
 #   LOCAL/node/containerd/...    containerd's root; its state and socket are in /run/containerd
 #   LOCAL/node/container-logs    bound at /var/log/containers; pod logs in LOCAL/node/pod-logs
 #   LOCAL/node/cni/...           the CNI configuration (pods in POD_SUBNET.0/24) and leases
+#   LOCAL/node/host/var/lib/modeguard, .../etc/modeguard, .../etc/iscsi
+#                                bound at those paths: what the driver's pods keep in host
+#                                directories (the chart's defaults) is the node's own, as on
+#                                a machine of its own, not the host's root that the VM sees
 # Logs go to LOGS on the host (containerd.log, kubelet.log); the PIDs to /run/modeguard-node.
 # Environment: NODE (the node's name: its address on the bridge), POD_SUBNET (three octets,
-# e.g. 10.244.10), LOCAL, LOGS, CLUSTER_DIR, API_ADDRESS, BUILD_DIR. Returns once the
-# kubelet answers on /healthz.
+# e.g. 10.244.10), LOCAL, LOGS, CLUSTER_DIR, API_ADDRESS, BUILD_DIR; ONLY=kubelet restarts
+# the kubelet alone. Returns once the kubelet answers on /healthz.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 : "${NODE:?}" "${POD_SUBNET:?}" "${LOCAL:?}" "${LOGS:?}" "${CLUSTER_DIR:?}" "${API_ADDRESS:?}"
@@ -24,6 +28,33 @@ step() { log "[uptime $(uptime_s) s] $*"; }
 
 N="$LOCAL/node"
 RUN=/run/modeguard-node
+
+# daemon NAME COMMAND...: in a session of its own (the agent waits for this script only),
+# output appended to LOGS/NAME.log, PID in RUN/NAME.pid.
+daemon() {
+  local name=$1; shift
+  setsid "$@" </dev/null >>"$LOGS/$name.log" 2>&1 &
+  echo $! >"$RUN/$name.pid"
+}
+start_kubelet() {
+  step "starting the kubelet"
+  daemon kubelet kubelet --config="$N/kubelet/config.yaml" --kubeconfig="$N/kubelet.kubeconfig" \
+    --hostname-override="$NODE" --node-ip="$NODE" --v=1
+  wait_for "kubelet /healthz" "$WAIT" curl -sf "http://$NODE:10248/healthz"
+  step "kubelet healthy"
+}
+
+# ONLY=kubelet: restart the running node's kubelet (SIGTERM, as a service manager stops
+# it), nothing else: its pods, their mounts and containerd stay.
+if [[ "${ONLY:-}" == kubelet ]]; then
+  pid=$(cat "$RUN/kubelet.pid")
+  step "stopping the kubelet (pid $pid)"
+  kill "$pid"
+  for _ in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$pid" 2>/dev/null; then die "the kubelet (pid $pid) outlived SIGTERM by 30 s"; fi
+  start_kubelet
+  exit 0
+fi
 mkdir -p "$N"/{kubelet,containerd/root,containerd/opt,cni/net.d,cni/data,container-logs,pod-logs} "$RUN" "$LOGS"
 
 # cgroup v2, every controller delegated from the root (the kubelet's cgroupfs driver makes
@@ -32,10 +63,17 @@ if ! mountpoint -q /sys/fs/cgroup; then mount -t cgroup2 cgroup2 /sys/fs/cgroup;
 for c in $(cat /sys/fs/cgroup/cgroup.controllers); do
   echo "+$c" >/sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || log "cannot delegate cgroup controller $c"
 done
+# Every mount shared, as systemd leaves a machine's root: the chart's HostToContainer and
+# Bidirectional mounts need it.
+mount --make-rshared /
 # The node's own directories over the host's (bind mounts in the VM's mount table only).
 mountpoint -q /var/lib/kubelet || mount --bind "$N/kubelet" /var/lib/kubelet
 mount --make-shared /var/lib/kubelet
 mountpoint -q /var/log/containers || mount --bind "$N/container-logs" /var/log/containers
+for d in /var/lib/modeguard /etc/modeguard /etc/iscsi; do
+  mkdir -p "$N/host$d" "$d"
+  mountpoint -q "$d" || mount --bind "$N/host$d" "$d"
+done
 # What the node's programs put in /tmp stays in the VM.
 mountpoint -q /tmp || mount -t tmpfs -o mode=1777 tmp /tmp
 if [[ -f /etc/machine-id ]] && ! mountpoint -q /etc/machine-id; then
@@ -55,52 +93,20 @@ cat >"$N/cni/net.d/10-modeguard.conflist" <<EOF
 }
 EOF
 sock=/run/containerd/containerd.sock
-cat >"$N/containerd/config.toml" <<EOF
-version = 2
-root = "$N/containerd/root"
-state = "/run/containerd/state"
-disabled_plugins = [
-  "io.containerd.snapshotter.v1.aufs",
-  "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.zfs",
-  "io.containerd.snapshotter.v1.devmapper",
-]
-[grpc]
-  address = "$sock"
-[plugins."io.containerd.internal.v1.opt"]
-  path = "$N/containerd/opt"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "registry.k8s.io/pause:3.10"
-  stream_server_address = "$NODE"
-  stream_server_port = "0"
-  enable_selinux = false
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        SystemdCgroup = false
-        BinaryName = "$DEBS/runc"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "$BUILD/cni/bin"
-    conf_dir = "$N/cni/net.d"
-EOF
-
-# daemon NAME COMMAND...: in a session of its own (the agent waits for this script only),
-# output appended to LOGS/NAME.log, PID in RUN/NAME.pid.
-daemon() {
-  local name=$1; shift
-  setsid "$@" </dev/null >>"$LOGS/$name.log" 2>&1 &
-  echo $! >"$RUN/$name.pid"
-}
+containerd_config "$N/containerd/root" /run/containerd/state "$sock" "$N/containerd/opt" "$NODE" "$N/cni/net.d" \
+  >"$N/containerd/config.toml"
 
 step "starting containerd"
 daemon containerd containerd --config "$N/containerd/config.toml"
 wait_for "containerd" "$WAIT" ctr --address "$sock" version
-step "containerd answers; importing the images"
-"$HERE/images.sh" "$sock" >/dev/null
-step "images imported"
+# A node disk made by vm-seed.sh holds every image already; an empty one gets pause and busybox.
+if ctr --address "$sock" -n k8s.io images ls -q | grep -qx 'registry.k8s.io/pause:3.10'; then
+  step "containerd answers; the images are on the node disk"
+else
+  step "containerd answers; importing the images"
+  "$HERE/images.sh" "$sock" >/dev/null
+  step "images imported"
+fi
 
 cat >"$N/kubelet/config.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
@@ -136,8 +142,4 @@ serializeImagePulls: false
 podLogsDir: $N/pod-logs
 EOF
 kubeconfig "$N/kubelet.kubeconfig" "kubelet-$NODE"
-step "starting the kubelet"
-daemon kubelet kubelet --config="$N/kubelet/config.yaml" --kubeconfig="$N/kubelet.kubeconfig" \
-  --hostname-override="$NODE" --node-ip="$NODE" --v=1
-wait_for "kubelet /healthz" "$WAIT" curl -sf "http://$NODE:10248/healthz"
-step "kubelet healthy"
+start_kubelet

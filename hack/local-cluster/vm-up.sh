@@ -7,10 +7,15 @@
 # each VM (test/vm/vmcluster) has a tap on that bridge, its own address, a node disk and a
 # containerd and a kubelet of its own (vm-node.sh) that reach the apiserver over the bridge.
 #
-#   VM_NODES="vm1=zone-a vm2=zone-b"   NAME=ZONE per VM; the i-th VM (from 1) gets the
+#   VM_NODES="vm1=zone-a vm2=zone-a vm3=zone-b"
+#                                      NAME=ZONE per VM; the i-th VM (from 1) gets the
 #                                      address VM_NET.(20+i), which is also its node name, and
 #                                      its pods 10.244.(10+i).0/24
-#   VM_NET=10.98.0  VM_BRIDGE=mgvbr0  VM_MEMORY_MB=1024  VM_DISK_MB=2048
+#   VM_NET=10.98.0  VM_BRIDGE=mgvbr0
+#   VM_MEMORY_MB=1536                  the node that runs the controller (six containers and
+#                                      ganesha) with a 1 GiB VM is short of memory
+#   VM_DISK_MB=8192                    the node disk (sparse), made by vm-seed.sh with every
+#                                      image the nodes run in its containerd
 #   VM_TB_SIZE_MB=128                  qemu's cache of translated code per VM: qemu's default
 #                                      (1 GiB) grows to about 450 MiB of resident memory per
 #                                      node, 96 MiB started a node no slower
@@ -28,9 +33,9 @@ BUILD="${BUILD_DIR:-$REPO/_build}"
 export CLUSTER_DIR="${CLUSTER_DIR:-$BUILD/cluster-vm}"
 VM_NET="${VM_NET:-10.98.0}"
 VM_BRIDGE="${VM_BRIDGE:-mgvbr0}"
-VM_NODES="${VM_NODES:-vm1=zone-a vm2=zone-b}"
-VM_MEMORY_MB="${VM_MEMORY_MB:-1024}"
-VM_DISK_MB="${VM_DISK_MB:-2048}"
+VM_NODES="${VM_NODES:-vm1=zone-a vm2=zone-a vm3=zone-b}"
+VM_MEMORY_MB="${VM_MEMORY_MB:-1536}"
+VM_DISK_MB="${VM_DISK_MB:-8192}"
 VM_TB_SIZE_MB="${VM_TB_SIZE_MB:-128}"
 export API_ADDRESS="$VM_NET.1" NODES=""
 # Under emulation a kubelet takes tens of seconds to start.
@@ -59,7 +64,7 @@ since() { printf '%.1f' "$(echo "$(date +%s.%N) - $1" | bc)"; }
 VMC="$C/bin/vmcluster"
 mkdir -p "$C/bin"
 (cd "$REPO" && CGO_ENABLED=0 go build -o "$VMC" ./test/vm/vmcluster)
-"$HERE/images.sh" >/dev/null # the image archives each node imports
+SEED=$(VM_DISK_MB="$VM_DISK_MB" "$HERE/vm-seed.sh") # every node's disk, images in its containerd
 
 log "bridge $VM_BRIDGE $API_ADDRESS/24"
 ip link add "$VM_BRIDGE" type bridge
@@ -78,7 +83,7 @@ done
 t=$(date +%s.%N)
 vmargs=()
 for k in "${!names[@]}"; do vmargs+=("${names[$k]}=${addrs[$k]}"); done
-"$VMC" up -dir "$C/vms" -bridge "$VM_BRIDGE" -memory "$VM_MEMORY_MB" -disk "$VM_DISK_MB" -tb-size "$VM_TB_SIZE_MB" "${vmargs[@]}"
+"$VMC" up -dir "$C/vms" -bridge "$VM_BRIDGE" -memory "$VM_MEMORY_MB" -disk-seed "$SEED" -tb-size "$VM_TB_SIZE_MB" "${vmargs[@]}"
 T_BOOT=$(since "$t")
 
 t=$(date +%s.%N)
@@ -86,9 +91,11 @@ log "making the VMs nodes (vm-node.sh; logs in $C/vms/NAME/)"
 pids=()
 for k in "${!names[@]}"; do
   n=${names[$k]} a=${addrs[$k]}
-  "$VMC" run -dir "$C/vms" -e NODE="$a" -e POD_SUBNET="10.244.$((11 + k))" -e LOCAL="$C/vms/$n/local" \
-    -e LOGS="$C/vms/$n" -e CLUSTER_DIR="$C" -e API_ADDRESS="$API_ADDRESS" -e BUILD_DIR="$BUILD" \
-    -e WAIT_SECONDS="$WAIT_SECONDS" "$n" -- bash "$HERE/vm-node.sh" >"$C/vms/$n/vm-node.log" 2>&1 &
+  # What vm-node.sh needs, kept for vm-node-ctl.sh (a reboot runs it again).
+  printf '%s\n' NODE="$a" POD_SUBNET="10.244.$((11 + k))" LOCAL="$C/vms/$n/local" LOGS="$C/vms/$n" \
+    CLUSTER_DIR="$C" API_ADDRESS="$API_ADDRESS" BUILD_DIR="$BUILD" WAIT_SECONDS="$WAIT_SECONDS" >"$C/vms/$n/node.env"
+  mapfile -t envargs < <(sed 's/^/-e\n/' "$C/vms/$n/node.env")
+  "$VMC" run -dir "$C/vms" "${envargs[@]}" "$n" -- bash "$HERE/vm-node.sh" >"$C/vms/$n/vm-node.log" 2>&1 &
   pids+=($!)
 done
 failed=0

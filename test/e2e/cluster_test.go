@@ -16,6 +16,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -44,12 +45,28 @@ const (
 	// The image every test pod runs: busybox, imported into every node by
 	// hack/local-cluster (there is no registry to pull from).
 	testImage = "localhost/modeguard/busybox:test"
-
-	// Bounds for what the cluster does on its own; generous because the
-	// machine may be busy, and every wait ends as soon as its condition holds.
-	startTimeout   = 2 * time.Minute
-	refusalTimeout = 90 * time.Second
 )
+
+// Bounds for what the cluster does on its own; generous because the machine
+// may be busy, and every wait ends as soon as its condition holds.
+// MODEGUARD_E2E_TIMEOUT_SCALE multiplies them for a slower cluster (nodes in
+// VMs under software emulation start a pod in tens of seconds).
+var (
+	startTimeout   = scaled(2 * time.Minute)
+	refusalTimeout = scaled(90 * time.Second)
+)
+
+func scaled(d time.Duration) time.Duration {
+	env := os.Getenv("MODEGUARD_E2E_TIMEOUT_SCALE")
+	if env == "" {
+		return d
+	}
+	f, err := strconv.ParseFloat(env, 64)
+	if err != nil || f < 1 {
+		panic(fmt.Sprintf("MODEGUARD_E2E_TIMEOUT_SCALE=%q: want a number of at least 1", env))
+	}
+	return time.Duration(float64(d) * f)
+}
 
 // The nodes: two share zone-a, one is in zone-b. hack/local-cluster/up.sh's
 // by default; MODEGUARD_E2E_NODES=<a1>,<a2>,<b> names another cluster's
@@ -136,7 +153,7 @@ func setup(t *testing.T) *cluster {
 
 // teardown removes what the test made and checks that its volumes are gone.
 func (c *cluster) teardown() {
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), scaled(3*time.Minute))
 	defer cancel()
 	if c.t.Failed() {
 		c.dumpState(ctx)
@@ -172,7 +189,7 @@ func (c *cluster) teardown() {
 			break
 		}
 		if ctx.Err() != nil {
-			c.t.Errorf("volumes of %s not deleted within 3 minutes: %v (last error: %v)", c.ns, left, err)
+			c.t.Errorf("volumes of %s not deleted within %s: %v (last error: %v)", c.ns, scaled(3*time.Minute), left, err)
 			break
 		}
 		time.Sleep(time.Second)
@@ -458,8 +475,14 @@ func (c *cluster) stillNotRunning(name string, for_ time.Duration) {
 
 // exec runs a command in the pod's first container and returns its output.
 func (c *cluster) exec(pod string, cmd ...string) (stdout, stderr string, err error) {
-	req := c.cs.CoreV1().RESTClient().Post().Resource("pods").Name(pod).Namespace(c.ns).SubResource("exec").
-		VersionedParams(&corev1.PodExecOptions{Command: cmd, Stdout: true, Stderr: true}, scheme.ParameterCodec)
+	return c.execIn(c.ns, pod, "", cmd...)
+}
+
+// execIn is exec in a container of a pod of any namespace ("": the pod's
+// only or first container).
+func (c *cluster) execIn(ns, pod, container string, cmd ...string) (stdout, stderr string, err error) {
+	req := c.cs.CoreV1().RESTClient().Post().Resource("pods").Name(pod).Namespace(ns).SubResource("exec").
+		VersionedParams(&corev1.PodExecOptions{Container: container, Command: cmd, Stdout: true, Stderr: true}, scheme.ParameterCodec)
 	ex, err := remotecommand.NewSPDYExecutor(c.cfg, "POST", req.URL())
 	if err != nil {
 		return "", "", err

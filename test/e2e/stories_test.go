@@ -43,8 +43,22 @@ func mountRefusedRWOP(msg string) bool {
 // one node: the replicas on the node holding the volume run, the one on the
 // other node of the zone stays ContainerCreating with the attach refused.
 func TestRWODeploymentStaysOnOneNode(t *testing.T) {
-	c := setup(t)
+	rwoDeploymentStaysOnOneNode(setup(t), "", []string{"zone-a"})
+}
+
+// rwoDeploymentStaysOnOneNode runs deploy/examples/rwo-deployment.yaml, its
+// claim of class (its own when ""), with the replicas spread over the two
+// nodes of zone-a, and checks that the volume (in zones, [] for none) is
+// attached to one of them only: the replicas there run and share the file,
+// the one on the other node is refused, as its event says. It returns the
+// node holding the volume and the replicas running there.
+func rwoDeploymentStaysOnOneNode(c *cluster, class string, zones []string) (holder string, running []string) {
+	t := c.t
+	t.Helper()
 	objs := c.example("rwo-deployment.yaml")
+	if class != "" {
+		find[*corev1.PersistentVolumeClaim](t, objs, "rwo-shared").Spec.StorageClassName = ptr(class)
+	}
 	dep := find[*appsv1.Deployment](t, objs, "rwo-writers")
 	// Both nodes of zone-a get a replica: two on one, one on the other.
 	dep.Spec.Template.Spec.NodeSelector = map[string]string{"topology.kubernetes.io/zone": "zone-a"}
@@ -55,10 +69,9 @@ func TestRWODeploymentStaysOnOneNode(t *testing.T) {
 	c.create(objs...)
 
 	pv := c.boundPV("rwo-shared")
-	if z := pvZones(pv); len(z) != 1 || z[0] != "zone-a" {
-		c.fatalf("volume %s: zones %v, want [zone-a] (the zone its pods were scheduled to)", pv.Name, z)
+	if z := pvZones(pv); !slices.Equal(z, zones) {
+		c.fatalf("volume %s: zones %v, want %v", pv.Name, z, zones)
 	}
-	var holder string
 	c.waitFor("the volume attached to one node", startTimeout, func() (bool, error) {
 		for _, n := range []string{nodeA1, nodeA2} {
 			if va := c.attachment(pv.Name, n); va != nil && va.Status.Attached {
@@ -70,7 +83,7 @@ func TestRWODeploymentStaysOnOneNode(t *testing.T) {
 	})
 	t.Logf("volume %s attached to %s", pv.Spec.CSI.VolumeHandle, holder)
 
-	var running, refused []string
+	var refused []string
 	c.waitFor("three replicas scheduled", startTimeout, func() (bool, error) {
 		pods := c.pods("app=rwo-writers")
 		n := 0
@@ -118,10 +131,11 @@ func TestRWODeploymentStaysOnOneNode(t *testing.T) {
 	// The replicas on the holding node share the volume: each one's writes
 	// are in the same file.
 	for _, name := range running {
-		c.waitFor(name+" writing to the shared file", 30*time.Second, func() (bool, error) {
+		c.waitFor(name+" writing to the shared file", scaled(30*time.Second), func() (bool, error) {
 			return strings.Contains(c.mustExec(running[0], "cat", "/data/log"), name), nil
 		})
 	}
+	return holder, running
 }
 
 func otherZoneANode(n string) string {
@@ -191,8 +205,21 @@ func TestRWOPDeploymentRunsOnePod(t *testing.T) {
 // Story 2: a StatefulSet gets one volume per pod, and a deleted pod comes
 // back on the same volume with its data.
 func TestStatefulSetPodKeepsItsVolume(t *testing.T) {
-	c := setup(t)
-	c.create(c.example("statefulset.yaml")...)
+	statefulSetPodKeepsItsVolume(setup(t), "", false)
+}
+
+// statefulSetPodKeepsItsVolume runs deploy/examples/statefulset.yaml with
+// its claims of class (its own class when ""), deletes web-0 and checks that
+// it comes back on its own volume with its data; elsewhere cordons its node
+// first, so that it comes back on another.
+func statefulSetPodKeepsItsVolume(c *cluster, class string, elsewhere bool) {
+	t := c.t
+	t.Helper()
+	objs := c.example("statefulset.yaml")
+	if class != "" {
+		find[*appsv1.StatefulSet](t, objs, "web").Spec.VolumeClaimTemplates[0].Spec.StorageClassName = ptr(class)
+	}
+	c.create(objs...)
 	c.waitRunning("web-0")
 	c.waitRunning("web-1")
 	pv0, pv1 := c.boundPV("data-web-0"), c.boundPV("data-web-1")
@@ -206,6 +233,9 @@ func TestStatefulSetPodKeepsItsVolume(t *testing.T) {
 	}
 	c.mustExec("web-0", "sh", "-c", "echo kept > /data/kept && sync")
 	old := c.pod("web-0")
+	if elsewhere {
+		c.cordon(old.Spec.NodeName)
+	}
 	c.deletePodAndWait("web-0")
 	var back *corev1.Pod
 	c.waitFor("web-0 back", startTimeout, func() (bool, error) {
@@ -216,12 +246,16 @@ func TestStatefulSetPodKeepsItsVolume(t *testing.T) {
 		back = p
 		return p.UID != old.UID && podReady(p), nil
 	})
+	if elsewhere && back.Spec.NodeName == old.Spec.NodeName {
+		c.fatalf("web-0 came back on its cordoned node %s", old.Spec.NodeName)
+	}
 	if pv := c.boundPV("data-web-0"); pv.Name != pv0.Name {
 		c.fatalf("web-0 came back on %s, was on %s", pv.Name, pv0.Name)
 	}
 	if got := strings.TrimSpace(c.mustExec("web-0", "cat", "/data/id", "/data/kept")); got != "web-0\nkept" {
-		c.fatalf("web-0 (now on %s) reads %q from its volume", back.Spec.NodeName, got)
+		c.fatalf("web-0 (on %s, was on %s) reads %q from its volume", back.Spec.NodeName, old.Spec.NodeName, got)
 	}
+	t.Logf("web-0 back on %s (was on %s) with its data", back.Spec.NodeName, old.Spec.NodeName)
 }
 
 // Story 3: a second pod using a ReadWriteOncePod claim does not start, and
@@ -424,6 +458,9 @@ func ptr[T any](v T) *T { return &v }
 // ReadWriteOnce volume, and deleting the claim removes the export. The mounts
 // themselves run in test/vm, in a VM whose kernel has the NFS client.
 func TestNFSExportFollowsAttachments(t *testing.T) {
+	if os.Getenv("MODEGUARD_E2E_NFS_CLIENTS") == "1" {
+		t.Skip("the nodes mount NFS here: the stories of nfspods_test.go are this cluster's")
+	}
 	c := setup(t)
 	claim := func(name string, mode corev1.PersistentVolumeAccessMode) *corev1.PersistentVolumeClaim {
 		return &corev1.PersistentVolumeClaim{

@@ -5,19 +5,23 @@
 // the VMs outlive this command: their qemu processes run in sessions of
 // their own, recorded in files, and "down" stops them by PID.
 //
-//	vmcluster up   -dir DIR -bridge BR [-memory MB] [-disk MB] [-tb-size MB] NAME=ADDR ...
+//	vmcluster up   -dir DIR -bridge BR [-memory MB] [-disk MB | -disk-seed IMG] [-tb-size MB] NAME=ADDR ...
 //	vmcluster run  -dir DIR [-e K=V]... [-timeout D] NAME -- COMMAND [ARG...]
+//	vmcluster reboot -dir DIR NAME
 //	vmcluster down -dir DIR
 //
 // up builds the VM image (cached, see vmtest.CacheDir) and the agent, gives
 // each VM a fresh node disk (ext4, DIR/NAME/disk.img, mounted by the VM's
-// init at DIR/NAME/local), a tap device on BR (which must exist and hold
+// init at DIR/NAME/local; with -disk-seed a copy of that ext4 image, e.g.
+// one whose containerd holds the images already), a tap device on BR (which must exist and hold
 // the VMs' /24), boots them all and returns once every VM's agent answers.
 // ADDR is the VM's address on BR. Each VM's record is DIR/NAME/vm.json;
 // its console is DIR/NAME/console.log.
 //
 // run runs a command inside a VM (chrooted into the host's root over 9p),
 // through its agent, prints its output and exits with its exit code.
+//
+// reboot cuts one VM's power and boots it again on the same node disk.
 //
 // down stops every recorded qemu (SIGTERM, SIGKILL after 5 s; a recorded
 // PID counts only while its command line is qemu's with this DIR), and
@@ -54,10 +58,12 @@ var vmName = regexp.MustCompile(`^[a-z0-9]{1,11}$`)
 
 // record is what up writes to DIR/NAME/vm.json.
 type record struct {
-	Name string     `json:"name"`
-	Addr netip.Addr `json:"addr"`
-	Tap  string     `json:"tap"`
-	PID  int        `json:"pid"`
+	Name     string     `json:"name"`
+	Addr     netip.Addr `json:"addr"`
+	Tap      string     `json:"tap"`
+	PID      int        `json:"pid"`
+	MemoryMB int        `json:"memoryMB"`
+	TBSizeMB int        `json:"tbSizeMB"`
 }
 
 func main() {
@@ -76,6 +82,8 @@ func main() {
 		}
 	case "down":
 		err = down(os.Args[2:])
+	case "reboot":
+		err = reboot(os.Args[2:])
 	default:
 		usage()
 	}
@@ -87,8 +95,9 @@ func main() {
 
 func usage() {
 	fmt.Fprint(os.Stderr, `usage:
-  vmcluster up   -dir DIR -bridge BR [-memory MB] [-disk MB] [-tb-size MB] NAME=ADDR ...
+  vmcluster up   -dir DIR -bridge BR [-memory MB] [-disk MB | -disk-seed IMG] [-tb-size MB] NAME=ADDR ...
   vmcluster run  -dir DIR [-e K=V]... [-timeout D] NAME -- COMMAND [ARG...]
+  vmcluster reboot -dir DIR NAME
   vmcluster down -dir DIR
 `)
 	os.Exit(2)
@@ -105,6 +114,7 @@ func up(args []string) error {
 	memory := fs.Int("memory", 1024, "memory per VM, MiB")
 	disk := fs.Int("disk", 2048, "node disk per VM, MiB (sparse)")
 	tbSize := fs.Int("tb-size", 0, "qemu's translated code cache per VM, MiB (0: qemu's default, 1 GiB)")
+	seed := fs.String("disk-seed", "", "a node disk to copy (sparse) for each VM instead of an empty one of -disk MiB")
 	wait := fs.Duration("wait", 3*time.Minute, "how long to wait for the VMs' agents")
 	fs.Parse(args)
 	if *dir == "" || *bridge == "" || fs.NArg() == 0 {
@@ -155,7 +165,13 @@ func up(args []string) error {
 		if err := os.MkdirAll(filepath.Join(vdir, "local"), 0o755); err != nil {
 			return err
 		}
-		if err := vmtest.MakeNodeDisk(filepath.Join(vdir, "disk.img"), *disk); err != nil {
+		if *seed != "" {
+			// A sparse copy: only the seed's written blocks cost a copy (cp, as
+			// Go's io.Copy writes the holes too).
+			if out, err := exec.Command("cp", "--sparse=always", *seed, filepath.Join(vdir, "disk.img")).CombinedOutput(); err != nil {
+				return fmt.Errorf("copying the node disk seed %s: %v: %s", *seed, err, bytes.TrimSpace(out))
+			}
+		} else if err := vmtest.MakeNodeDisk(filepath.Join(vdir, "disk.img"), *disk); err != nil {
 			return err
 		}
 		if _, err := os.Stat("/sys/class/net/" + v.Tap); err == nil {
@@ -178,68 +194,120 @@ func up(args []string) error {
 
 	t0 = time.Now()
 	for i := range vms {
-		v := &vms[i]
-		vdir := filepath.Join(*dir, v.Name)
-		m := vmtest.Machine{Name: v.Name, Addr: v.Addr, WorkDir: *dir, MemoryMB: *memory, Tap: v.Tap,
-			Console: filepath.Join(vdir, "console.log"), Disk: filepath.Join(vdir, "disk.img"), TBSizeMB: *tbSize}
-		logFile, err := os.Create(filepath.Join(vdir, "qemu.log"))
-		if err != nil {
-			return err
-		}
-		cmd := exec.Command("qemu-system-x86_64", vmtest.QemuArgs(img, m)...)
-		cmd.Stdout, cmd.Stderr = logFile, logFile
-		// A session of its own: the VM outlives this command and its terminal.
-		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-		err = cmd.Start()
-		logFile.Close()
-		if err != nil {
-			return fmt.Errorf("starting qemu for %s: %w", v.Name, err)
-		}
-		v.PID = cmd.Process.Pid
-		cmd.Process.Release()
-		if err := writeRecord(*dir, *v); err != nil {
+		vms[i].MemoryMB, vms[i].TBSizeMB = *memory, *tbSize
+		if err := boot(*dir, img, &vms[i]); err != nil {
 			return err
 		}
 	}
-
 	errs := make([]error, len(vms))
 	var wg sync.WaitGroup
 	for i := range vms {
-		v := vms[i]
-		wg.Go(func() {
-			deadline := time.Now().Add(*wait)
-			for {
-				ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-				var resp struct{}
-				err := call(ctx, v.Addr, agentapi.PathPing, struct{}{}, &resp)
-				cancel()
-				if err == nil {
-					break
-				}
-				if !qemuOf(v.PID, *dir) {
-					errs[i] = fmt.Errorf("%s: qemu stopped while booting; console %s", v.Name, filepath.Join(*dir, v.Name, "console.log"))
-					return
-				}
-				if time.Now().After(deadline) {
-					errs[i] = fmt.Errorf("%s: no answer from its agent within %s (%v); console %s", v.Name, *wait, err, filepath.Join(*dir, v.Name, "console.log"))
-					return
-				}
-				time.Sleep(200 * time.Millisecond)
-			}
-			// Named after itself, as vmtest does: the NFSv4 client names
-			// itself to the server by the host name.
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			var rr agentapi.RunResponse
-			if err := call(ctx, v.Addr, agentapi.PathRun, agentapi.RunRequest{Name: "hostname", Args: []string{v.Name}}, &rr); err != nil || rr.ExitCode != 0 {
-				errs[i] = fmt.Errorf("%s: naming it: %v %s", v.Name, err, rr.Output)
-				return
-			}
-			logf("%s (%s, qemu pid %d) up in %s", v.Name, v.Addr, v.PID, time.Since(t0).Round(time.Millisecond))
-		})
+		wg.Go(func() { errs[i] = waitAgent(*dir, vms[i], t0, *wait) })
 	}
 	wg.Wait()
 	return errors.Join(errs...)
+}
+
+// boot starts the VM's qemu in a session of its own and records its PID.
+func boot(dir string, img vmtest.Image, v *record) error {
+	vdir := filepath.Join(dir, v.Name)
+	m := vmtest.Machine{Name: v.Name, Addr: v.Addr, WorkDir: dir, MemoryMB: v.MemoryMB, Tap: v.Tap,
+		Console: filepath.Join(vdir, "console.log"), Disk: filepath.Join(vdir, "disk.img"), TBSizeMB: v.TBSizeMB}
+	logFile, err := os.Create(filepath.Join(vdir, "qemu.log"))
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command("qemu-system-x86_64", vmtest.QemuArgs(img, m)...)
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	// A session of its own: the VM outlives this command and its terminal.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	err = cmd.Start()
+	logFile.Close()
+	if err != nil {
+		return fmt.Errorf("starting qemu for %s: %w", v.Name, err)
+	}
+	v.PID = cmd.Process.Pid
+	cmd.Process.Release()
+	return writeRecord(dir, *v)
+}
+
+// waitAgent waits until the VM's agent answers, then names the VM after
+// itself, as vmtest does: the NFSv4 client names itself to the server by
+// the host name.
+func waitAgent(dir string, v record, t0 time.Time, wait time.Duration) error {
+	deadline := time.Now().Add(wait)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		var resp struct{}
+		err := call(ctx, v.Addr, agentapi.PathPing, struct{}{}, &resp)
+		cancel()
+		if err == nil {
+			break
+		}
+		if !qemuOf(v.PID, dir) {
+			return fmt.Errorf("%s: qemu stopped while booting; console %s", v.Name, filepath.Join(dir, v.Name, "console.log"))
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s: no answer from its agent within %s (%v); console %s", v.Name, wait, err, filepath.Join(dir, v.Name, "console.log"))
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var rr agentapi.RunResponse
+	if err := call(ctx, v.Addr, agentapi.PathRun, agentapi.RunRequest{Name: "hostname", Args: []string{v.Name}}, &rr); err != nil || rr.ExitCode != 0 {
+		return fmt.Errorf("%s: naming it: %v %s", v.Name, err, rr.Output)
+	}
+	logf("%s (%s, qemu pid %d) up in %s", v.Name, v.Addr, v.PID, time.Since(t0).Round(time.Millisecond))
+	return nil
+}
+
+// reboot cuts a VM's power (SIGKILL to its qemu: nothing in the guest gets
+// to flush or unmount) and boots it again with the same address, tap and
+// node disk, as vmtest.VM.Reboot does. The node's daemons are vm-node.sh's
+// to start again, as a machine's init would.
+func reboot(args []string) error {
+	fs := flag.NewFlagSet("reboot", flag.ExitOnError)
+	dir := fs.String("dir", "", "directory of the VMs")
+	wait := fs.Duration("wait", 3*time.Minute, "how long to wait for the VM's agent")
+	fs.Parse(args)
+	if *dir == "" || fs.NArg() != 1 {
+		usage()
+	}
+	r, err := readRecord(filepath.Join(*dir, fs.Arg(0), "vm.json"))
+	if err != nil {
+		return err
+	}
+	if !qemuOf(r.PID, *dir) {
+		return fmt.Errorf("%s (qemu pid %d) is not running", r.Name, r.PID)
+	}
+	if r.MemoryMB == 0 {
+		return fmt.Errorf("%s: its record has no memory size (written by an older vmcluster): bring the cluster up again", r.Name)
+	}
+	img, err := vmtest.PrepareImage(logf)
+	if err != nil {
+		return fmt.Errorf("the VM image: %w", err)
+	}
+	t0 := time.Now()
+	logf("cutting the power of %s (SIGKILL to qemu pid %d)", r.Name, r.PID)
+	if err := syscall.Kill(r.PID, syscall.SIGKILL); err != nil {
+		return err
+	}
+	for qemuOf(r.PID, *dir) {
+		if time.Since(t0) > 30*time.Second {
+			return fmt.Errorf("%s: qemu pid %d survives SIGKILL", r.Name, r.PID)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	// Keep the console of the boot before for a failure's report.
+	console := filepath.Join(*dir, r.Name, "console.log")
+	if err := os.Rename(console, console+".before-reboot"); err != nil && !os.IsNotExist(err) {
+		return err
+	}
+	if err := boot(*dir, img, &r); err != nil {
+		return err
+	}
+	return waitAgent(*dir, r, t0, *wait)
 }
 
 func run(args []string) (int, error) {

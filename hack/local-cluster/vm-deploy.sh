@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Installs modeguard with its chart on the cluster of vm-up.sh, as an operator would on a
+# cluster of separate machines: helm install with the chart's defaults but for
+# hack/local-cluster/vm-helm-values.yaml (each value says why this cluster needs it). The
+# images are on every node already (vm-seed.sh). Waits (bounded) for the controller and
+# every node plugin, and for the driver in every node's CSINode.
+#   WAIT_SECONDS=300   each wait, under emulation
+#   VALUES=FILE ...    further values files, after vm-helm-values.yaml
+# Needs: root, vm-up.sh running.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
+BUILD="${BUILD_DIR:-$REPO/_build}"
+C="${CLUSTER_DIR:-$BUILD/cluster-vm}"
+WAIT="${WAIT_SECONDS:-300}"
+NS=modeguard
+export KUBECONFIG="$C/admin.kubeconfig"
+export PATH="$BUILD/k8s/bin:$PATH"
+HELM="${HELM:-$BUILD/tools/helm}"
+
+log() { printf '[vm-deploy %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+die() { printf '[vm-deploy %s] ERROR: %s\n' "$(date +%H:%M:%S)" "$*" >&2; exit 1; }
+diag() {
+  kubectl get pods -A -o wide || true
+  kubectl -n "$NS" describe pods | grep -E -A2 'Warning|Error' | tail -30 || true
+  for p in $(kubectl -n "$NS" get pods -o name 2>/dev/null); do
+    kubectl -n "$NS" logs "$p" --all-containers --tail=15 --prefix || true
+  done
+}
+trap 'rc=$?; if (( rc != 0 )); then diag; fi' EXIT
+
+[[ $EUID -eq 0 ]] || die "must run as root"
+[[ -x "$HELM" ]] || die "helm not found (make $HELM, or set HELM)"
+mapfile -t NODES < <(kubectl get nodes -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}' 2>/dev/null)
+((${#NODES[@]})) || die "no cluster at $KUBECONFIG: run hack/local-cluster/vm-up.sh first"
+
+t0=$(date +%s)
+kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+kubectl label --overwrite namespace "$NS" pod-security.kubernetes.io/enforce=privileged \
+  pod-security.kubernetes.io/warn=privileged pod-security.kubernetes.io/audit=privileged >/dev/null
+values=(--values "$HERE/vm-helm-values.yaml")
+for v in ${VALUES:-}; do values+=(--values "$v"); done
+log "helm upgrade --install modeguard deploy/helm/modeguard ${values[*]}"
+"$HELM" upgrade --install modeguard "$REPO/deploy/helm/modeguard" --namespace "$NS" "${values[@]}" \
+  >"$C/helm-install.out"
+
+log "waiting for the controller and the node plugins (<= ${WAIT}s each)"
+kubectl -n "$NS" rollout status deployment/modeguard-controller --timeout="${WAIT}s"
+for ds in $(kubectl -n "$NS" get daemonset -o name); do
+  kubectl -n "$NS" rollout status "$ds" --timeout="${WAIT}s"
+done
+deadline=$(($(date +%s) + WAIT))
+for n in "${NODES[@]}"; do
+  until kubectl get csinode "$n" -o jsonpath='{.spec.drivers[*].name}' 2>/dev/null | grep -q modeguard.csi.dev; do
+    (($(date +%s) < deadline)) || die "the driver is not registered in CSINode $n"
+    sleep 1
+  done
+done
+log "installed in $(($(date +%s) - t0)) s; the controller runs on $(kubectl -n "$NS" get pod \
+  -l app.kubernetes.io/component=controller -o jsonpath='{.items[0].spec.nodeName}')"
+kubectl get csinode -o custom-columns='NODE:.metadata.name,DRIVER:.spec.drivers[*].name,TOPOLOGY:.spec.drivers[*].topologyKeys'
