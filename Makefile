@@ -5,7 +5,7 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 GOTEST_FLAGS ?= -race -count=1
 
-.PHONY: tools-dir all build image bench cluster-up cluster-down cluster-up-vm cluster-down-vm test-e2e-vm conformance demo helm-lint test test-all test-static test-e2e-build test-e2e-images test-go test-fuzz test-leftovers test-vm test-vm-nfs-quota test-e2e test-unit test-integration test-sanity fuzz vet fmt-check clean
+.PHONY: tools-dir all build image bench cluster-up cluster-down cluster-up-vm cluster-down-vm test-e2e-vm conformance demo helm-lint test test-all test-static test-csi-addons test-e2e-build test-e2e-images test-go test-fuzz test-leftovers test-vm test-vm-nfs-quota test-e2e test-unit test-integration test-sanity fuzz vet fmt-check clean
 
 all: build
 
@@ -126,6 +126,32 @@ test-e2e: $(HELM)
 		bash hack/local-cluster/undeploy.sh || rc=$${rc/#0/1}; \
 	else rc=1; fi; \
 	bash hack/local-cluster/down.sh || rc=$${rc/#0/1}; \
+	exit $$rc
+
+# Network fences end to end (not in make test or make test-all): csi-addons
+# v0.14.0 built from the module proxy (hack/images/csi-addons.sh), the local
+# cluster (as make cluster-up) with its CRDs installed before the chart, which
+# runs with csiAddons.enabled (hack/local-cluster/csi-addons-values.yaml), the
+# csi-addons controller (hack/local-cluster/csi-addons-install.sh), then
+# hack/local-cluster/csi-addons-fence-test.sh: a NetworkFence on one node's
+# address reaches Succeeded and the driver's fence list holds it, deleting
+# it does not lift it, Unfenced does. Everything is uninstalled and the
+# cluster goes down afterwards whatever the result. docs/testing.md.
+CSI_ADDONS_LOCAL := KUBECONFIG=$(CURDIR)/_build/cluster/admin.kubeconfig CSI_ADDONS_HOST_NETWORK=true \
+	CSI_ADDONS_API_HOST=127.0.0.1 CSI_ADDONS_API_PORT=6443
+test-csi-addons: build $(HELM)
+	@rc=0; \
+	if bash hack/local-cluster/build.sh && bash hack/images/base.sh && bash hack/images/modeguard.sh && \
+		bash hack/images/sidecars.sh all && bash hack/images/csi-addons.sh all && \
+		bash hack/local-cluster/up.sh && \
+		$(CSI_ADDONS_LOCAL) bash hack/local-cluster/csi-addons-install.sh crds && \
+		HELM_EXTRA_VALUES=hack/local-cluster/csi-addons-values.yaml bash hack/local-cluster/deploy.sh && \
+		$(CSI_ADDONS_LOCAL) bash hack/local-cluster/csi-addons-install.sh; then \
+		KUBECONFIG=$(CURDIR)/_build/cluster/admin.kubeconfig bash hack/local-cluster/csi-addons-fence-test.sh || rc=1; \
+		$(CSI_ADDONS_LOCAL) bash hack/local-cluster/csi-addons-install.sh uninstall || rc=1; \
+		bash hack/local-cluster/undeploy.sh || rc=1; \
+	else rc=1; fi; \
+	bash hack/local-cluster/down.sh || rc=1; \
 	exit $$rc
 
 # modeguard on kind (v0.33.0, podman), every image built here: see

@@ -7,6 +7,9 @@
 # using it, writes a file in it, prints the result and the chart's NOTES.
 # Needs: root, up.sh running, the archives of hack/images. CLEAN=1: delete the test pod+PVC
 # at the end (so the volume is unpublished and its loop device detached).
+# HELM_EXTRA_VALUES: more values files, given to helm after helm-values.yaml (paths
+# relative to the repository; /work/main rewritten as in helm-values.yaml), e.g.
+# hack/local-cluster/csi-addons-values.yaml.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -77,8 +80,16 @@ kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f - >/d
 kubectl label --overwrite namespace "$NS" pod-security.kubernetes.io/enforce=privileged \
   pod-security.kubernetes.io/warn=privileged pod-security.kubernetes.io/audit=privileged >/dev/null
 sed "s#/work/main/_build#$BUILD#g" "$HERE/helm-values.yaml" >"$BUILD/helm-values.yaml"
+values=(--values "$BUILD/helm-values.yaml")
+for f in ${HELM_EXTRA_VALUES:-}; do
+  [[ "$f" == /* ]] || f="$REPO/$f"
+  [[ -f "$f" ]] || die "HELM_EXTRA_VALUES: no file $f"
+  sed "s#/work/main/_build#$BUILD#g" "$f" >"$BUILD/helm-values-$(basename "$f")"
+  values+=(--values "$BUILD/helm-values-$(basename "$f")")
+  log "more values: $f"
+done
 "$HELM" upgrade --install modeguard "$REPO/deploy/helm/modeguard" --namespace "$NS" \
-  --values "$BUILD/helm-values.yaml" >"$BUILD/helm-install.out"
+  "${values[@]}" >"$BUILD/helm-install.out"
 
 log "waiting for the controller and node pods (<= ${WAIT}s)"
 kubectl -n "$NS" rollout status deployment/modeguard-controller --timeout="${WAIT}s"

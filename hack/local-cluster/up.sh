@@ -40,12 +40,11 @@ for nz in $NODES; do
   [[ "$nz" == *=* && -n "$name" && -n "${nz#*=}" ]] || die "NODES entry '$nz' is not name=zone"
   [[ "$name" =~ ^127\.[0-9]+\.[0-9]+\.[0-9]+$ ]] || die "node '$name' must be a 127.x.y.z address"
 done
+# Only a listener on that address or on every address is in the way: the cluster of
+# vm-up.sh on its bridge address and this one on loopback run side by side, whichever
+# started first.
 for port in 2379 2380 $API_PORT 10257 10259; do
-  if [[ "$API_ADDRESS" == 127.0.0.1 ]]; then
-    if ss -Hltn "sport = :$port" | grep -q .; then die "port $port already in use"; fi
-  # Elsewhere (vm-up.sh) only a listener on that address or on every address is in the way:
-  # the local cluster on loopback is not.
-  elif ss -Hltn "sport = :$port" | awk -v a="$API_ADDRESS:$port" '$4 == a || $4 ~ /^(0\.0\.0\.0|\*|\[::\]):/ {f=1} END {exit !f}'; then
+  if ss -Hltn "sport = :$port" | awk -v a="$API_ADDRESS:$port" '$4 == a || $4 ~ /^(0\.0\.0\.0|\*|\[::\]):/ {f=1} END {exit !f}'; then
     die "port $API_ADDRESS:$port already in use"
   fi
 done
