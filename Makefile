@@ -128,7 +128,7 @@ test-e2e: $(HELM)
 	bash hack/local-cluster/down.sh || rc=$${rc/#0/1}; \
 	exit $$rc
 
-# Network fences end to end (not in make test or make test-all): csi-addons
+# Network fences end to end (in make test-all): csi-addons
 # v0.14.0 built from the module proxy (hack/images/csi-addons.sh), the local
 # cluster (as make cluster-up) with its CRDs installed before the chart, which
 # runs with csiAddons.enabled (hack/local-cluster/csi-addons-values.yaml), the
@@ -214,7 +214,7 @@ test: tools-dir
 test-all: tools-dir
 	@MODEGUARD_TESTS=all CONFORMANCE_SUITES='$(CONFORMANCE_ALL)' \
 		bash hack/phases.sh "make test-all" $(GATE_TESTS) vm-nfs-quota=test-vm-nfs-quota \
-		kind=test-kind e2e-vm=test-e2e-vm leftovers=test-leftovers
+		kind=test-kind e2e-vm=test-e2e-vm csi-addons=test-csi-addons leftovers=test-leftovers
 
 test-static: fmt-check vet build $(KUSTOMIZE) helm-lint
 
