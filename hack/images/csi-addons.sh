@@ -81,20 +81,14 @@ binaries() {
   log "CRDs -> $WORK/crds ($(ls "$WORK"/crds/*.yaml | wc -l) files)"
 }
 
+# shellcheck source=binary-image.sh
+source "$ROOT/hack/images/binary-image.sh"
+
 # image name ref entrypoint archive
 image() {
-  local name=$1 ref=$2 entry=$3 archive=$4 ctr
+  local name=$1 ref=$2 entry=$3 archive=$4
   [[ -x $WORK/bin/$name ]] || { log "no binary $name: run '$0 binaries'"; return 1; }
-  ctr=$(buildah from --pull=never "$BASE_IMAGE")
-  buildah copy --chmod 0755 "$ctr" "$WORK/bin/$name" "$entry" >/dev/null
-  buildah config --cmd '' "$ctr"   # drop the base's bash before setting the entrypoint
-  buildah config --entrypoint "[\"$entry\"]" \
-    --label "org.opencontainers.image.version=$VERSION" \
-    --label "io.modeguard.built-from=$MODULE@$VERSION" "$ctr"
-  buildah commit --rm -q "$ctr" "$ref" >/dev/null
-  rm -f "$archive"
-  buildah push -q "$ref" "docker-archive:$archive:$ref"
-  log "$ref -> $archive ($(du -h "$archive" | cut -f1))"
+  binary_image "$WORK/bin/$name" "$entry" "$ref" "$archive" "$VERSION" "$MODULE"
 }
 
 images() {

@@ -64,6 +64,8 @@ log() { printf '[sidecars %s] %s\n' "$(date +%T)" "$*" >&2; }
 # toolchain.
 # shellcheck source=../cache.sh
 source "$ROOT/hack/cache.sh"
+# shellcheck source=binary-image.sh
+source "$ROOT/hack/images/binary-image.sh"
 SNAPSHOT_METADATA_MODULE=$ROOT/hack/snapshot-metadata
 cache_dir sidecars "$WORK" "${BASH_SOURCE[0]}" "$SNAPSHOT_METADATA_MODULE/go.mod" "$SNAPSHOT_METADATA_MODULE/go.sum"
 
@@ -166,7 +168,7 @@ images() {
   export BUILDAH_ISOLATION=${BUILDAH_ISOLATION:-chroot}
   buildah inspect --type image "$BASE_IMAGE" >/dev/null 2>&1 ||
     { echo "base image $BASE_IMAGE missing: run hack/images/base.sh" >&2; exit 1; }
-  local s name mod ver ref tag ctr archive
+  local s name mod ver ref tag
   for s in "${SIDECARS[@]}" \
     "csi-snapshot-metadata github.com/kubernetes-csi/external-snapshot-metadata $(cat "$WORK/bin/csi-snapshot-metadata.version" 2>/dev/null)"; do
     read -r name mod ver <<<"$s"
@@ -174,17 +176,7 @@ images() {
     [[ -x $WORK/bin/$name ]] || { log "no binary for $name, skipped"; continue; }
     ref=$(manifest_ref "$name"); tag=${ref##*:}
     [[ $tag == "$ver" ]] || log "NOTE: $ref holds $name $ver (the manifest's tag is $tag)"
-    ctr=$(buildah from --pull=never "$BASE_IMAGE")
-    buildah copy --chmod 0755 "$ctr" "$WORK/bin/$name" "/$name" >/dev/null
-    buildah config --cmd '' "$ctr"   # drop the base's bash before setting the entrypoint
-    buildah config --entrypoint "[\"/$name\"]" \
-      --label "org.opencontainers.image.version=$ver" \
-      --label "io.modeguard.built-from=$mod@$ver" "$ctr"
-    buildah commit --rm -q "$ctr" "$ref" >/dev/null
-    archive=$OUT/$name.tar
-    rm -f "$archive"
-    buildah push -q "$ref" "docker-archive:$archive:$ref"
-    log "$ref -> $archive ($(du -h "$archive" | cut -f1))"
+    binary_image "$WORK/bin/$name" "/$name" "$ref" "$OUT/$name.tar" "$ver" "$mod"
   done
 }
 
