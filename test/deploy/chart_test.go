@@ -430,6 +430,7 @@ func TestChartRefusesBadValues(t *testing.T) {
 		{"a snapshot class neither auto nor a boolean", "volumeSnapshotClass.create=maybe", "create"},
 		{"an NFS node that is not a node name", "nfs.node=Node_1", "node"},
 		{"a mount option that is empty", "storageClasses.block.mountOptions[0]=", "mountOptions"},
+		{"a host alias without an address", "controller.hostAliases[0].hostnames[0]=modeguard-target-zone-a.modeguard.svc", "ip"},
 		{"snapshot metadata neither auto nor a boolean", "snapshotMetadata.enabled=maybe", "enabled"},
 		{"a snapshot metadata address without a port", "snapshotMetadata.address=backup.example.com", "address"},
 		{"an external snapshot metadata certificate without its CA", "snapshotMetadata.enabled=true,snapshotMetadata.tls.source=external", "caCert"},

@@ -168,6 +168,7 @@ node:
   affinity: {nodeAffinity: {requiredDuringSchedulingIgnoredDuringExecution: {nodeSelectorTerms: [{matchExpressions: [{key: arch, operator: In, values: [amd64]}]}]}}}
 controller:
   affinity: {podAntiAffinity: {preferredDuringSchedulingIgnoredDuringExecution: []}}
+  hostAliases: [{ip: 10.0.0.7, hostnames: [modeguard-target-zone-a.modeguard.svc]}]
 storageClasses:
   block:
     annotations: {storageclass.kubernetes.io/is-default-class: "true"}
@@ -238,6 +239,9 @@ storageClasses:
 	}
 	if get(t, objs["Deployment/modeguard/modeguard-controller"], "spec", "template", "spec", "affinity", "podAntiAffinity") == nil {
 		t.Error("the controller lacks controller.affinity")
+	}
+	if got := fmt.Sprint(get(t, objs["Deployment/modeguard/modeguard-controller"], "spec", "template", "spec", "hostAliases")); got != "[map[hostnames:[modeguard-target-zone-a.modeguard.svc] ip:10.0.0.7]]" {
+		t.Errorf("the controller's hostAliases: %s", got)
 	}
 	block := objs["StorageClass/<nil>/modeguard-block"]
 	if get(t, block, "metadata", "annotations", "storageclass.kubernetes.io/is-default-class") != "true" {
