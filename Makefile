@@ -84,6 +84,7 @@ cluster-up-vm: build $(HELM)
 	bash hack/images/base.sh
 	bash hack/images/modeguard.sh
 	bash hack/images/sidecars.sh all
+	bash hack/images/csi-addons.sh all
 	bash hack/local-cluster/vm-up.sh
 	bash hack/local-cluster/vm-deploy.sh
 
@@ -91,16 +92,21 @@ cluster-down-vm:
 	bash hack/local-cluster/vm-down.sh
 
 # The stories of test/e2e that need nodes of their own kernel, on the VM
-# cluster: NFS volumes mounted by pods. The cluster goes down afterwards
-# whatever the result.
-E2E_VM_TESTS := ^TestNFS(RWODeploymentOnTwoNodes|RollingUpdateHandsTheClaimOver|StatefulSetPodComesBackElsewhere|AccessModesAcrossNodes|FsGroup|PodSurvivesItsNodeRebooting|KubeletRestartReconstructsTheMount)$$
+# cluster: NFS volumes mounted by pods, and block volumes the storage
+# targets serve over iSCSI (the block stories of the local cluster, and
+# those of nodes and targets that reboot), and a NetworkFence through
+# csi-addons. The stories that reboot, restart, cordon or fence a node run
+# one at a time, first; then the others three at a time
+# (MODEGUARD_E2E_PARALLEL: under emulation they mostly wait for pods). The
+# cluster goes down afterwards whatever the result.
+E2E_VM_TESTS := ^(TestNFS(RWODeploymentOnTwoNodes|RollingUpdateHandsTheClaimOver|StatefulSetPodComesBackElsewhere|AccessModesAcrossNodes|FsGroup|PodSurvivesItsNodeRebooting|KubeletRestartReconstructsTheMount)|Test(RWODeploymentStaysOnOneNode|RWOPDeploymentRunsOnePod|ROXFromSnapshot|ExpansionGrowsMountedFilesystem)|TestISCSI(RawBlockOneWriterReadersElsewhere|StorageNodeReboots)|TestNetworkFenceCutsANodeOff)$$
 test-e2e-vm: $(HELM)
 	@rc=0; \
 	if $(MAKE) cluster-up-vm; then \
 		MODEGUARD_E2E_KUBECONFIG=$(CURDIR)/_build/cluster-vm/admin.kubeconfig \
-		MODEGUARD_E2E_NODES=10.98.0.21,10.98.0.22,10.98.0.23 MODEGUARD_E2E_NFS_CLIENTS=1 \
-		MODEGUARD_E2E_VM_DIR=$(CURDIR)/_build/cluster-vm/vms MODEGUARD_E2E_TIMEOUT_SCALE=3 \
-			$(GO) test $(GOTEST_FLAGS) -timeout 45m -v -run '$(E2E_VM_TESTS)' ./test/e2e/ || rc=$$?; \
+		MODEGUARD_E2E_NODES=10.98.0.21,10.98.0.22,10.98.0.23 MODEGUARD_E2E_NFS_CLIENTS=1 MODEGUARD_E2E_ISCSI=1 \
+		MODEGUARD_E2E_VM_DIR=$(CURDIR)/_build/cluster-vm/vms MODEGUARD_E2E_TIMEOUT_SCALE=3 MODEGUARD_E2E_PARALLEL=1 \
+			$(GO) test $(GOTEST_FLAGS) -timeout 50m -parallel 3 -v -run '$(E2E_VM_TESTS)' ./test/e2e/ || rc=$$?; \
 	else rc=1; fi; \
 	bash hack/local-cluster/vm-down.sh || rc=$${rc/#0/1}; \
 	exit $$rc

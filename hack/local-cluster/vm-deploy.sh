@@ -2,8 +2,10 @@
 # Installs modeguard with its chart on the cluster of vm-up.sh, as an operator would on a
 # cluster of separate machines: helm install with the chart's defaults but for
 # hack/local-cluster/vm-helm-values.yaml (each value says why this cluster needs it). The
-# images are on every node already (vm-seed.sh). Waits (bounded) for the controller and
-# every node plugin, and for the driver in every node's CSINode.
+# images are on every node already (vm-seed.sh). Places the storage targets and the
+# controller (below) and installs csi-addons (its CRDs and controller) around the chart.
+# Waits (bounded) for the controller, every node plugin and storage target, csi-addons'
+# controller, and the driver in every node's CSINode.
 #   WAIT_SECONDS=300   each wait, under emulation
 #   VALUES=FILE ...    further values files, after vm-helm-values.yaml
 # Needs: root, vm-up.sh running.
@@ -38,7 +40,30 @@ t0=$(date +%s)
 kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 kubectl label --overwrite namespace "$NS" pod-security.kubernetes.io/enforce=privileged \
   pod-security.kubernetes.io/warn=privileged pod-security.kubernetes.io/audit=privileged >/dev/null
-values=(--values "$HERE/vm-helm-values.yaml")
+# Where the driver's parts run, as an operator would place them on such a cluster:
+# - block volumes over iSCSI (vm-helm-values.yaml): each zone's storage target on the zone's
+#   last node, and the controller finds each target's Service name at that node's address in
+#   its /etc/hosts, as this cluster has neither kube-proxy nor cluster DNS;
+# - the controller, with ganesha (nfs.node), on the last zone's storage node, so that the
+#   first node runs workloads only: a story can fence it or cut its power without taking the
+#   controller or a target with it.
+placement="$C/vm-placement-values.yaml"
+printf 'controller:\n  hostAliases:\n' >"$placement"
+storage_node=""
+for zone in $(kubectl get nodes -o jsonpath='{range .items[*]}{.metadata.labels.topology\.kubernetes\.io/zone}{"\n"}{end}' | sort -u); do
+  storage_node=$(kubectl get nodes -l "topology.kubernetes.io/zone=$zone" \
+    -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}' | sort -V | tail -1)
+  ip=$(kubectl get node "$storage_node" -o jsonpath='{.status.addresses[?(@.type=="InternalIP")].address}')
+  kubectl label --overwrite node "$storage_node" "modeguard.csi.dev/storage-target=$zone" >/dev/null
+  printf '    - {ip: "%s", hostnames: [modeguard-target-%s.%s.svc]}\n' "$ip" "$zone" "$NS" >>"$placement"
+  log "storage target of $zone: $storage_node"
+done
+printf 'nfs:\n  node: "%s"\n' "$storage_node" >>"$placement"
+log "controller and ganesha: $storage_node"
+# csi-addons (csiAddons.enabled in vm-helm-values.yaml): its CRDs before the chart, so that
+# modeguard's sidecar registers at its first start; its controller after.
+CSI_ADDONS_API_HOST=10.98.0.1 CSI_ADDONS_API_PORT=6443 WAIT_SECONDS="$WAIT" bash "$HERE/csi-addons-install.sh" crds
+values=(--values "$HERE/vm-helm-values.yaml" --values "$placement")
 for v in ${VALUES:-}; do values+=(--values "$v"); done
 log "helm upgrade --install modeguard deploy/helm/modeguard ${values[*]}"
 "$HELM" upgrade --install modeguard "$REPO/deploy/helm/modeguard" --namespace "$NS" "${values[@]}" \
@@ -46,9 +71,11 @@ log "helm upgrade --install modeguard deploy/helm/modeguard ${values[*]}"
 
 log "waiting for the controller and the node plugins (<= ${WAIT}s each)"
 kubectl -n "$NS" rollout status deployment/modeguard-controller --timeout="${WAIT}s"
-for ds in $(kubectl -n "$NS" get daemonset -o name); do
-  kubectl -n "$NS" rollout status "$ds" --timeout="${WAIT}s"
+for w in $(kubectl -n "$NS" get daemonset,statefulset -o name); do
+  kubectl -n "$NS" rollout status "$w" --timeout="${WAIT}s"
 done
+CSI_ADDONS_API_HOST=10.98.0.1 CSI_ADDONS_API_PORT=6443 WAIT_SECONDS="$WAIT" \
+  bash "$HERE/csi-addons-install.sh"
 deadline=$(($(date +%s) + WAIT))
 for n in "${NODES[@]}"; do
   until kubectl get csinode "$n" -o jsonpath='{.spec.drivers[*].name}' 2>/dev/null | grep -q modeguard.csi.dev; do

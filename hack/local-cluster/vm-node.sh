@@ -74,14 +74,25 @@ for d in /var/lib/modeguard /etc/modeguard /etc/iscsi; do
   mkdir -p "$N/host$d" "$d"
   mountpoint -q "$d" || mount --bind "$N/host$d" "$d"
 done
+# open-iscsi, as the node's package sets it up: an initiator name of the node's own, kept in
+# its /etc/iscsi (the node disk) across reboots, and iscsid, which the node plugin's iscsiadm
+# talks to (hostNetwork: the same abstract socket). No iscsid.conf: every node record is
+# node.startup=manual, so a reboot logs in to nothing until the kubelet stages a volume again.
+if [[ ! -s /etc/iscsi/initiatorname.iscsi ]]; then
+  printf 'InitiatorName=iqn.2026-11.dev.csi.modeguard.node:%s\n' "$NODE" >/etc/iscsi/initiatorname.iscsi
+fi
+mkdir -p /run/lock
 # What the node's programs put in /tmp stays in the VM.
 mountpoint -q /tmp || mount -t tmpfs -o mode=1777 tmp /tmp
 if [[ -f /etc/machine-id ]] && ! mountpoint -q /etc/machine-id; then
   printf '%s\n' "$(printf '%s' "$NODE" | sha256sum | cut -c1-32)" >"$N/machine-id"
   mount --bind "$N/machine-id" /etc/machine-id
 fi
-# Pods reach the bridge (and the host them) through the VM.
+# Pods reach the bridge (and the host them) through the VM; the other nodes' pods through
+# the host, which routes each node's pod subnet to its VM (vm-up.sh), as a cluster's network
+# joins its nodes' pods.
 echo 1 >/proc/sys/net/ipv4/ip_forward
+ip route replace 10.244.0.0/16 via "$API_ADDRESS"
 
 cat >"$N/cni/net.d/10-modeguard.conflist" <<EOF
 {
@@ -96,6 +107,8 @@ sock=/run/containerd/containerd.sock
 containerd_config "$N/containerd/root" /run/containerd/state "$sock" "$N/containerd/opt" "$NODE" "$N/cni/net.d" \
   >"$N/containerd/config.toml"
 
+step "starting iscsid"
+daemon iscsid iscsid -f
 step "starting containerd"
 daemon containerd containerd --config "$N/containerd/config.toml"
 wait_for "containerd" "$WAIT" ctr --address "$sock" version

@@ -151,6 +151,20 @@ func setup(t *testing.T) *cluster {
 	return c
 }
 
+// setupBeside is setup for a story that changes no node and nothing of
+// another test's: with MODEGUARD_E2E_PARALLEL=1 it runs beside the other
+// such stories (t.Parallel, as many at once as go test's -parallel), after
+// the stories that reboot, restart or cordon nodes are done. Under software
+// emulation a story mostly waits for its pods, so the VM cluster's run
+// (make test-e2e-vm) takes less time this way than one story after another.
+func setupBeside(t *testing.T) *cluster {
+	t.Helper()
+	if os.Getenv("MODEGUARD_E2E_PARALLEL") == "1" {
+		t.Parallel()
+	}
+	return setup(t)
+}
+
 // teardown removes what the test made and checks that its volumes are gone.
 func (c *cluster) teardown() {
 	ctx, cancel := context.WithTimeout(context.Background(), scaled(3*time.Minute))
@@ -574,6 +588,31 @@ func (c *cluster) blockImage(pv *corev1.PersistentVolume, zone string) string {
 		strings.ReplaceAll(pv.Spec.CSI.VolumeHandle, ":", "_")+".img")
 }
 
+// blockImageExists says whether a block volume's image is in its zone's pool:
+// the pool directory of hack/local-cluster on this host, or, with
+// MODEGUARD_E2E_ISCSI=1, the pool of the zone's storage target, looked at
+// from inside the target's pod (the pool's kept filesystem is mounted there
+// only).
+func (c *cluster) blockImageExists(pv *corev1.PersistentVolume, zone string) bool {
+	c.t.Helper()
+	if os.Getenv("MODEGUARD_E2E_ISCSI") != "1" {
+		_, err := os.Stat(c.blockImage(pv, zone))
+		if err != nil && !os.IsNotExist(err) {
+			c.fatalf("%v", err)
+		}
+		return err == nil
+	}
+	pool := "/var/lib/modeguard/target-pools/" + zone // the chart's iscsi.targetPoolsDir
+	name := strings.ReplaceAll(pv.Spec.CSI.VolumeHandle, ":", "_") + ".img"
+	out, stderr, err := c.execIn("modeguard", "modeguard-target-"+zone+"-0", "modeguard", "sh", "-c",
+		`for f in "$1/volumes/$2" "$1/kept/volumes/$2"; do if [ -e "$f" ]; then echo yes; exit; fi; done; echo no`,
+		"sh", pool, name)
+	if err != nil {
+		c.fatalf("looking for %s in the storage target of %s: %v %s", name, zone, err, stderr)
+	}
+	return strings.TrimSpace(out) == "yes"
+}
+
 // deleteClaimAndWait deletes the named claim and waits for its volume to be gone.
 func (c *cluster) deleteClaimAndWait(claim, pv string) {
 	c.t.Helper()
@@ -632,6 +671,15 @@ func find[T interface {
 	var zero T
 	t.Fatalf("no %T named %s in the example", zero, name)
 	return zero
+}
+
+// onNode puts a pod on node through the scheduler (a node selector), so
+// that a WaitForFirstConsumer claim of the pod is provisioned for that node,
+// which spec.nodeName, past the scheduler, never lets happen.
+func onNode(p *corev1.Pod, node string) *corev1.Pod {
+	p.Spec.NodeName = ""
+	p.Spec.NodeSelector = map[string]string{"kubernetes.io/hostname": node}
+	return p
 }
 
 // pinnedPod is a pod on node (spec.nodeName: past the scheduler) that

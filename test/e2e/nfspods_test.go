@@ -64,7 +64,7 @@ func appendLoop(file string) string {
 // claim as well: ReadWriteOnce is one node, not one container.
 func TestNFSRWODeploymentOnTwoNodes(t *testing.T) {
 	nfsNodes(t)
-	c := setup(t)
+	c := setupBeside(t)
 	// An NFS volume has no zone: an export is reachable from every zone.
 	holder, _ := rwoDeploymentStaysOnOneNode(c, "modeguard-nfs", nil)
 
@@ -94,7 +94,7 @@ func TestNFSRWODeploymentOnTwoNodes(t *testing.T) {
 // old one synced, and after its first line, the old one writes no more.
 func TestNFSRollingUpdateHandsTheClaimOver(t *testing.T) {
 	nfsNodes(t)
-	c := setup(t)
+	c := setupBeside(t)
 	c.create(nfsClaim("handover", corev1.ReadWriteOnce))
 	pv := c.boundPV("handover")
 	one := int32(1)
@@ -258,7 +258,7 @@ func (c *cluster) cordon(node string) {
 // ReadWriteOncePod admits one pod.
 func TestNFSAccessModesAcrossNodes(t *testing.T) {
 	nfsNodes(t)
-	c := setup(t)
+	c := setupBeside(t)
 	c.create(nfsClaim("rwx", corev1.ReadWriteMany), nfsClaim("rox", corev1.ReadOnlyMany), nfsClaim("rwop", corev1.ReadWriteOncePod))
 	c.create(
 		withCommand(pinnedPod("rwx-a", "rwx", nodeA1), "echo a > /data/a; exec sleep 1000000"),
@@ -360,7 +360,7 @@ func (c *cluster) inNode(node, script string) (string, error) {
 // group, with setgid, and the pod's files join the group.
 func TestNFSFsGroup(t *testing.T) {
 	nfsNodes(t)
-	c := setup(t)
+	c := setupBeside(t)
 	c.create(&storagev1.StorageClass{
 		ObjectMeta:  metav1.ObjectMeta{Name: "modeguard-nfs-no-squash-" + c.ns},
 		Provisioner: driverName,
@@ -425,15 +425,28 @@ func (c *cluster) ackedWrites(pod, file, prefix string, n int) []string {
 // again (never the empty staging directory), with every acknowledged line.
 func TestNFSPodSurvivesItsNodeRebooting(t *testing.T) {
 	nfsNodes(t)
-	c := setup(t)
-	c.create(nfsClaim("survivor", corev1.ReadWriteOnce))
-	// nodeA2: the controller (and ganesha) run on the first node by name.
-	c.create(pinnedPod("survivor", "survivor", nodeA2))
+	// nodeA1: it runs neither the controller (with ganesha) nor a storage
+	// target (hack/local-cluster/vm-deploy.sh).
+	podSurvivesItsNodeRebooting(setup(t), nfsClaim("survivor", corev1.ReadWriteOnce), nodeA1, true)
+}
+
+// podSurvivesItsNodeRebooting runs a pod of claim on node, writes a few
+// acknowledged lines, cuts the node's power and checks that the pod's
+// container comes back on the same volume (its name, written on it first,
+// is still there: never an empty directory, never another volume) with
+// every acknowledged line, and that it writes again. sameSource: the mount's
+// source must be the same too (an NFS export; a disk's name may change).
+func podSurvivesItsNodeRebooting(c *cluster, claim *corev1.PersistentVolumeClaim, node string, sameSource bool) {
+	c.t.Helper()
+	c.create(claim)
+	c.create(onNode(pinnedPod("survivor", claim.Name, ""), node))
 	before := c.waitRunning("survivor")
-	share := c.mountSource("survivor", "/data")
+	pv := c.boundPV(claim.Name)
+	c.mustExec("survivor", "sh", "-c", "echo "+pv.Name+" > /data/volume && sync")
+	source := c.mountSource("survivor", "/data")
 	acked := c.ackedWrites("survivor", "/data/acked", "before", 5)
 
-	c.nodeCtl("reboot", nodeA2)
+	c.nodeCtl("reboot", node)
 	c.waitFor("survivor's container started again after the reboot", startTimeout, func() (bool, error) {
 		p, err := c.cs.CoreV1().Pods(c.ns).Get(c.ctx, "survivor", metav1.GetOptions{})
 		if err != nil || !podReady(p) || len(p.Status.ContainerStatuses) == 0 {
@@ -441,8 +454,11 @@ func TestNFSPodSurvivesItsNodeRebooting(t *testing.T) {
 		}
 		return p.Status.ContainerStatuses[0].RestartCount > before.Status.ContainerStatuses[0].RestartCount, nil
 	})
-	if got := c.mountSource("survivor", "/data"); got != share {
-		c.fatalf("after the reboot /data is %q, was %q", got, share)
+	if got := c.mountSource("survivor", "/data"); sameSource && got != source {
+		c.fatalf("after the reboot /data is %q, was %q", got, source)
+	}
+	if got := strings.TrimSpace(c.mustExec("survivor", "sh", "-c", "cat /data/volume || true")); got != pv.Name {
+		c.fatalf("after the reboot /data holds the volume %q, want %s", got, pv.Name)
 	}
 	acked = append(acked, c.ackedWrites("survivor", "/data/acked", "after", 2)...)
 	if got := c.mustExec("survivor", "cat", "/data/acked"); got != strings.Join(acked, "\n")+"\n" {

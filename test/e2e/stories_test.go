@@ -43,7 +43,7 @@ func mountRefusedRWOP(msg string) bool {
 // one node: the replicas on the node holding the volume run, the one on the
 // other node of the zone stays ContainerCreating with the attach refused.
 func TestRWODeploymentStaysOnOneNode(t *testing.T) {
-	rwoDeploymentStaysOnOneNode(setup(t), "", []string{"zone-a"})
+	rwoDeploymentStaysOnOneNode(setupBeside(t), "", []string{"zone-a"})
 }
 
 // rwoDeploymentStaysOnOneNode runs deploy/examples/rwo-deployment.yaml, its
@@ -150,7 +150,7 @@ func otherZoneANode(n string) string {
 // scheduler) is refused at mount on the node (see mountRefusedRWOP) and at
 // attach on any other node.
 func TestRWOPDeploymentRunsOnePod(t *testing.T) {
-	c := setup(t)
+	c := setupBeside(t)
 	objs := c.example("rwo-deployment.yaml")
 	pvc := find[*corev1.PersistentVolumeClaim](t, objs, "rwo-shared")
 	pvc.Spec.AccessModes = []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOncePod}
@@ -324,7 +324,7 @@ func TestTopologyFollowsTheData(t *testing.T) {
 // Story 5: a ReadOnlyMany claim from a snapshot, read from both nodes of
 // the zone; no pod can write to it. Deleting the claim removes the image.
 func TestROXFromSnapshot(t *testing.T) {
-	c := setup(t)
+	c := setupBeside(t)
 	src := c.example("rox-from-snapshot-source.yaml")
 	// The snapshot lives in the source's pool, and the copy is made from
 	// it: keep the source in zone-a, where the readers will be.
@@ -371,16 +371,15 @@ func TestROXFromSnapshot(t *testing.T) {
 		}
 	}
 
-	image := c.blockImage(pv, "zone-a")
-	if _, err := os.Stat(image); err != nil {
-		c.fatalf("the copy's image: %v", err)
+	if !c.blockImageExists(pv, "zone-a") {
+		c.fatalf("the copy's image is not in zone-a's pool")
 	}
 	for name := range readers {
 		c.deletePodAndWait(name)
 	}
 	c.deleteClaimAndWait("rox-copy", pv.Name)
-	if _, err := os.Stat(image); !os.IsNotExist(err) {
-		c.fatalf("image %s still there after the claim was deleted (%v)", image, err)
+	if c.blockImageExists(pv, "zone-a") {
+		c.fatalf("the copy's image is still in zone-a's pool after the claim was deleted")
 	}
 }
 
@@ -389,7 +388,7 @@ func TestROXFromSnapshot(t *testing.T) {
 // machine does not grant even to privileged containers (ext4 then grows at
 // the next stage; see the README).
 func TestExpansionGrowsMountedFilesystem(t *testing.T) {
-	c := setup(t)
+	c := setupBeside(t)
 	c.create(&storagev1.StorageClass{
 		ObjectMeta:  metav1.ObjectMeta{Name: "modeguard-e2e-xfs"},
 		Provisioner: driverName,
