@@ -18,6 +18,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -501,11 +502,31 @@ func (c *cluster) execIn(ns, pod, container string, cmd ...string) (stdout, stde
 	if err != nil {
 		return "", "", err
 	}
-	var out, errOut bytes.Buffer
+	var out, errOut lockedBuffer
 	ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
 	defer cancel()
 	err = ex.StreamWithContext(ctx, remotecommand.StreamOptions{Stdout: &out, Stderr: &errOut})
 	return out.String(), errOut.String(), err
+}
+
+// lockedBuffer is a bytes.Buffer safe for one writer and one reader at once:
+// when an exec times out (a command blocked on a fenced volume),
+// StreamWithContext returns while its copying goroutines may still write.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
 
 // mustExec is exec that fails the test on an error.
