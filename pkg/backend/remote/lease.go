@@ -83,10 +83,15 @@ func (l *lease) check(holder string) error {
 		return nil
 	}
 	if l.holder == "" || !l.now().Before(l.expires) {
-		return status.Errorf(codes.Unavailable, "this storage target answers only the controller holding its lease, and %q does not hold it (nobody does)", holder)
+		return status.Errorf(codes.Unavailable, "%s, and %q does not hold it (nobody does)", notTheHolder, holder)
 	}
-	return status.Errorf(codes.Unavailable, "this storage target answers only the controller holding its lease: %s holds it, not %q", l.holder, holder)
+	return status.Errorf(codes.Unavailable, "%s: %s holds it, not %q", notTheHolder, l.holder, holder)
 }
+
+// notTheHolder begins every refusal of a call for want of the lease: the
+// call was not carried out, and the client may take the lease (if no one
+// else holds it) and call again.
+const notTheHolder = "this storage target answers only the controller holding its lease"
 
 // leased wraps the API's methods: only the holder gets through.
 func (l *lease) leased(next http.Handler) http.Handler {

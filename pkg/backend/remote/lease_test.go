@@ -107,6 +107,27 @@ func TestStaleControllerIsRefused(t *testing.T) {
 	}
 }
 
+// A holder whose lease ran out with no one else taking it (its renewals
+// did not get through in time, or the target restarted and forgot it) is
+// not refused until its next renewal: the call takes the lease again and is
+// carried out. A lapse during which another controller took the lease
+// still ends in a refusal (TestStaleControllerIsRefused).
+func TestLapsedLeaseIsTakenAgainByTheNextCall(t *testing.T) {
+	clk := &clock{t: time.Now()}
+	addr := serveLeased(t, clk)
+	c := dial(t, addr)
+	hold(t, c, "controller-1")
+	clk.add(LeaseTerm + time.Second)
+	if _, err := c.ListVolumes(context.Background()); err != nil {
+		t.Fatalf("the call after the lease lapsed: %v", err)
+	}
+	// Taken again, for a whole term: another controller waits.
+	other := dial(t, addr)
+	if _, err := call[leaseResponse](context.Background(), other, "Acquire", leaseRequest{Holder: "controller-2"}); err == nil {
+		t.Fatal("another controller took the lease the call had just taken again")
+	}
+}
+
 // A target that takes connections but never answers is waited for with a
 // message at every try, not silently forever.
 func TestHoldSaysItWaitsForASilentTarget(t *testing.T) {

@@ -33,6 +33,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -90,7 +91,30 @@ func writeEnvelope(w http.ResponseWriter, env envelope) {
 
 // call posts req to method at the client's target and decodes the result
 // into a Resp.
+//
+// A holder refused for want of the lease (its term ran out between two
+// renewals: a target restarted, which forgets its lease, or renewals that
+// did not get through in time) takes the lease again at once and calls
+// again, rather than failing the call until the next renewal: the refused
+// call was not carried out, and Acquire refuses while another controller
+// holds the lease, so a controller that lost it to a successor is still
+// refused.
 func call[Resp, Req any](ctx context.Context, c *Client, method string, req Req) (Resp, error) {
+	resp, err := callOnce[Resp](ctx, c, method, req)
+	if err == nil || c.holder == "" || method == "Acquire" || method == "Release" || method == "Info" {
+		return resp, err
+	}
+	if st := status.Convert(err); st.Code() != codes.Unavailable || !strings.HasPrefix(st.Message(), notTheHolder) {
+		return resp, err
+	}
+	if _, aerr := callOnce[leaseResponse](ctx, c, "Acquire", leaseRequest{Holder: c.holder}); aerr != nil {
+		return resp, err
+	}
+	return callOnce[Resp](ctx, c, method, req)
+}
+
+// callOnce is one call of method, its answer decoded into Resp.
+func callOnce[Resp, Req any](ctx context.Context, c *Client, method string, req Req) (Resp, error) {
 	var resp Resp
 	body, err := json.Marshal(req)
 	if err != nil {
