@@ -427,16 +427,16 @@ func TestNFSPodSurvivesItsNodeRebooting(t *testing.T) {
 	nfsNodes(t)
 	// nodeA1: it runs neither the controller (with ganesha) nor a storage
 	// target (hack/local-cluster/vm-deploy.sh).
-	podSurvivesItsNodeRebooting(setup(t), nfsClaim("survivor", corev1.ReadWriteOnce), nodeA1, true)
+	podSurvivesItsNodeRebooting(setup(t), nfsClaim("survivor", corev1.ReadWriteOnce), nodeA1)
 }
 
 // podSurvivesItsNodeRebooting runs a pod of claim on node, writes a few
 // acknowledged lines, cuts the node's power and checks that the pod's
 // container comes back on the same volume (its name, written on it first,
 // is still there: never an empty directory, never another volume) with
-// every acknowledged line, and that it writes again. sameSource: the mount's
-// source must be the same too (an NFS export; a disk's name may change).
-func podSurvivesItsNodeRebooting(c *cluster, claim *corev1.PersistentVolumeClaim, node string, sameSource bool) {
+// every acknowledged line, mounted from the same source (the same export),
+// and that it writes again.
+func podSurvivesItsNodeRebooting(c *cluster, claim *corev1.PersistentVolumeClaim, node string) {
 	c.t.Helper()
 	c.create(claim)
 	c.create(onNode(pinnedPod("survivor", claim.Name, ""), node))
@@ -454,7 +454,7 @@ func podSurvivesItsNodeRebooting(c *cluster, claim *corev1.PersistentVolumeClaim
 		}
 		return p.Status.ContainerStatuses[0].RestartCount > before.Status.ContainerStatuses[0].RestartCount, nil
 	})
-	if got := c.mountSource("survivor", "/data"); sameSource && got != source {
+	if got := c.mountSource("survivor", "/data"); got != source {
 		c.fatalf("after the reboot /data is %q, was %q", got, source)
 	}
 	if got := strings.TrimSpace(c.mustExec("survivor", "sh", "-c", "cat /data/volume || true")); got != pv.Name {
