@@ -208,3 +208,86 @@ func TestISCSIStorageNodeReboots(t *testing.T) {
 		c.fatalf("the writer on %s was restarted while its target was away", node)
 	}
 }
+
+// Node life over iSCSI, the kubelet's: a kubelet restarts under a pod whose
+// block volume its node reached over iSCSI. The kubelet rebuilds its state
+// from what the node has mounted, the pod goes on writing without a
+// restart, and when the pod goes the volume is unmounted, unstaged and
+// logged out of like any other: no mount of its device and no iSCSI session
+// to its target is left on the node. A reconstruction that lost the volume
+// would leave both.
+func TestISCSIKubeletRestartReconstructsTheMount(t *testing.T) {
+	iscsiTargets(t)
+	c := setup(t)
+	_, node := c.storageNode("zone-a")
+	// sessions lists the targets the node is logged in to.
+	sessions := func() map[string]bool {
+		out, err := c.inNode(node, `cat /sys/class/iscsi_session/*/targetname 2>/dev/null; true`)
+		if err != nil {
+			c.fatalf("the iSCSI sessions of %s: %v\n%s", node, err, out)
+		}
+		set := map[string]bool{}
+		for _, name := range strings.Fields(out) {
+			set[name] = true
+		}
+		return set
+	}
+	before := sessions()
+	c.create(blockClaim("kept", corev1.ReadWriteOnce, corev1.PersistentVolumeFilesystem))
+	c.create(onNode(pinnedPod("kept", "kept", ""), node))
+	kept := c.waitRunning("kept")
+	pv := c.boundPV("kept")
+	var volumeTargets []string
+	for name := range sessions() {
+		if !before[name] {
+			volumeTargets = append(volumeTargets, name)
+		}
+	}
+	if len(volumeTargets) != 1 {
+		c.fatalf("%s logged in to %v for the pod's volume %s, want one target", node, volumeTargets, pv.Name)
+	}
+	device := c.mountSource("kept", "/data")
+	mounted := func() string {
+		out, err := c.inNode(node, `grep "^`+device+` " /proc/mounts; true`)
+		if err != nil {
+			c.fatalf("the mounts of %s: %v\n%s", node, err, out)
+		}
+		return strings.TrimSpace(out)
+	}
+	if mounted() == "" {
+		c.fatalf("the pod's device %s is not mounted on %s", device, node)
+	}
+	acked := c.ackedWrites("kept", "/data/acked", "before", 3)
+
+	c.nodeCtl("restart-kubelet", node)
+	c.waitFor("node "+node+" Ready again", startTimeout, func() (bool, error) {
+		n, err := c.cs.CoreV1().Nodes().Get(c.ctx, node, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		for _, cond := range n.Status.Conditions {
+			if cond.Type == corev1.NodeReady {
+				return cond.Status == corev1.ConditionTrue && cond.LastHeartbeatTime.After(time.Now().Add(-20*time.Second)), nil
+			}
+		}
+		return false, nil
+	})
+	acked = append(acked, c.ackedWrites("kept", "/data/acked", "after", 3)...)
+	if got := c.mustExec("kept", "cat", "/data/acked"); got != strings.Join(acked, "\n")+"\n" {
+		c.fatalf("after the kubelet's restart the volume holds\n%s\nwant\n%s", got, strings.Join(acked, "\n"))
+	}
+	if p := c.pod("kept"); p.UID != kept.UID || p.Status.ContainerStatuses[0].RestartCount != 0 {
+		c.fatalf("the pod on %s was restarted with its kubelet", node)
+	}
+
+	c.deletePodAndWait("kept")
+	c.waitFor("volume "+pv.Name+" detached from "+node, startTimeout, func() (bool, error) {
+		return c.attachment(pv.Name, node) == nil, nil
+	})
+	if m := mounted(); m != "" {
+		c.fatalf("the volume's device is still mounted on %s after the pod went:\n%s", node, m)
+	}
+	if s := sessions(); s[volumeTargets[0]] {
+		c.fatalf("%s is still logged in to %s after the volume was detached", node, volumeTargets[0])
+	}
+}
