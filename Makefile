@@ -99,7 +99,7 @@ cluster-down-vm:
 # one at a time, first; then the others three at a time
 # (MODEGUARD_E2E_PARALLEL: under emulation they mostly wait for pods). The
 # cluster goes down afterwards whatever the result.
-E2E_VM_TESTS := ^(TestNFS(RWODeploymentOnTwoNodes|RollingUpdateHandsTheClaimOver|StatefulSetPodComesBackElsewhere|AccessModesAcrossNodes|FsGroup|PodSurvivesItsNodeRebooting|KubeletRestartReconstructsTheMount)|Test(RWODeploymentStaysOnOneNode|RWOPDeploymentRunsOnePod|ROXFromSnapshot|ExpansionGrowsMountedFilesystem)|TestISCSI(RawBlockOneWriterReadersElsewhere|StorageNodeReboots)|TestNetworkFenceCutsANodeOff)$$
+E2E_VM_TESTS := ^(TestNFS(RWODeploymentOnTwoNodes|RollingUpdateHandsTheClaimOver|StatefulSetPodComesBackElsewhere|AccessModesAcrossNodes|FsGroup|PodSurvivesItsNodeRebooting|KubeletRestartReconstructsTheMount)|Test(RWODeploymentStaysOnOneNode|RWOPDeploymentRunsOnePod|ROXFromSnapshot|ExpansionGrowsMountedFilesystem)|TestISCSI(RawBlockOneWriterReadersElsewhere|StorageNodeReboots|KubeletRestartReconstructsTheMount)|TestNetworkFenceCutsANodeOff)$$
 test-e2e-vm: $(HELM)
 	@rc=0; \
 	if $(MAKE) cluster-up-vm; then \
