@@ -123,7 +123,7 @@ ${extra:+$extra
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
-        BinaryName = "$DEBS/runc"
+        BinaryName = "${RUNC:-$DEBS/runc}"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "$BUILD/cni/bin"
     conf_dir = "$cni"
