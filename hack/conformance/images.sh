@@ -10,6 +10,8 @@
 #   e2e-test-images/jessie-dnsutils:1.7  a Debian rootfs (multiVolume's block specs
 #                                      run GNU dd oflag=nocache, sha256sum, blockdev)
 # Built into _build/conformance/images/, rebuilt only when an input is newer.
+#   IMPORT=0   only build the archives: the VM cluster's nodes get them on
+#              their node disk (vm-seed.sh, SEED_EXTRA), not from here
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
@@ -56,6 +58,8 @@ if ! fresh "$OUT/jessie-dnsutils.tar" "$DEBIAN"; then
   docker_archive "$OUT/jessie-dnsutils.tar" "$REG/jessie-dnsutils:1.7" 'null' '["/bin/sh"]' "$root"
   rm -rf "$root"
 fi
+
+[[ "${IMPORT:-1}" == 1 ]] || { ls "$OUT"/*.tar; exit 0; }
 
 # Import into every running node's containerd.
 CTR="$BUILD/debs/bin/ctr"

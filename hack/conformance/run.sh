@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Runs Kubernetes' external storage e2e suites against modeguard on the local
-# cluster (hack/local-cluster), with the driver files of test/conformance.
+# cluster (hack/local-cluster), with the driver files of test/conformance, or
+# on the cluster whose nodes are VMs (hack/local-cluster/vm-up.sh) when
+# KUBECONFIG is its admin.kubeconfig (make conformance-vm).
 #
-#   DRIVER=block|nfs   the driver file (test/conformance/$DRIVER.yaml); default block
+#   DRIVER=block|nfs|iscsi   the driver file (test/conformance/$DRIVER.yaml);
+#                      default block. nfs and iscsi need nodes with the kernel's
+#                      NFS client and iSCSI initiator: the VM cluster's
 #   SUITES="a|b"       suite names as the spec names spell them (provisioning,
 #                      volumes, multiVolume, read-write-once-pod, ...); default: all
 #                      the suites docs/conformance.md lists for the driver
@@ -20,7 +24,8 @@
 # Builds e2e.test (hack/conformance/build.sh); on the local cluster (no
 # KUBECONFIG, or its admin.kubeconfig) brings it up when no node answers (make
 # cluster-up) and imports the test images into every node
-# (hack/conformance/images.sh); runs; prints a per-suite summary
+# (hack/conformance/images.sh); on the VM cluster checks that every node has
+# them (its node disks were made with them: make conformance-vm); runs; prints a per-suite summary
 # (passed/failed/skipped) from the JUnit report. Exits non-zero when a spec fails.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -33,8 +38,8 @@ REPORT="${REPORT:-$OUT/report-$DRIVER}"
 log() { printf '[conformance %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 case "$DRIVER" in
-  block|nfs) ;;
-  *) echo "DRIVER must be block or nfs, not $DRIVER" >&2; exit 2 ;;
+  block|nfs|iscsi) ;;
+  *) echo "DRIVER must be block, nfs or iscsi, not $DRIVER" >&2; exit 2 ;;
 esac
 SUITES="${SUITES:-provisioning|volume-modify|volumes|volumeIO|volumeMode|subPath|multiVolume|read-write-once-pod|topology|snapshottable|volume-expand|fsgroupchangepolicy|ephemeral|volumeLimits|capacity|snapshottable-stress|volume-stress|volumegroupsnapshottable}"
 DRIVER_FILE="$REPO/test/conformance/$DRIVER.yaml"
@@ -65,12 +70,18 @@ fi
 
 # The local cluster's nodes share this kernel: NFS volumes mount only where
 # it has an NFS client (docs/conformance.md).
-LOCAL=0
+LOCAL=0 VM=0
 [[ -z "${KUBECONFIG:-}" || "$KUBECONFIG" == "$BUILD/cluster/admin.kubeconfig" ]] && LOCAL=1
+[[ "${KUBECONFIG:-}" == "$BUILD/cluster-vm/admin.kubeconfig" ]] && VM=1
 if [[ "$LOCAL" == 1 && "$DRIVER" == nfs ]] && ! grep -qw nfs4 /proc/filesystems && ! modprobe -q nfsv4 2>/dev/null; then
   log "DRIVER=nfs: this kernel has no NFS client, so no pod of the local cluster can mount an NFS volume;"
-  log "run it with KUBECONFIG naming a cluster whose nodes have one and the driver deployed (docs/conformance.md)"
+  log "run it on the VM cluster (make conformance-vm) or with KUBECONFIG naming a cluster whose nodes have one (docs/conformance.md)"
   exit 0
+fi
+if [[ "$LOCAL" == 1 && "$DRIVER" == iscsi ]]; then
+  log "DRIVER=iscsi: the local cluster serves block volumes over loop devices, and this kernel has no iSCSI initiator;"
+  log "run it on the VM cluster (make conformance-vm), whose chart has iscsi.enabled (docs/conformance.md)"
+  exit 2
 fi
 
 [[ -z "$SUITES" ]] || bash "$HERE/build.sh"
@@ -88,6 +99,16 @@ if [[ "$LOCAL" == 1 ]]; then
   # other volume of the driver: the claim deploy.sh proves the cluster with goes.
   kubectl -n default delete pod mg-local-test --ignore-not-found --wait=true --timeout=120s >/dev/null
   kubectl -n default delete pvc mg-local-test --ignore-not-found --wait=true --timeout=120s >/dev/null
+elif [[ "$VM" == 1 ]]; then
+  # The VMs' node disks hold the test images (SEED_EXTRA of vm-seed.sh) or
+  # nothing would: they cannot pull, and importing under emulation takes
+  # minutes per node. Each kubelet lists the images it has.
+  want=registry.k8s.io/e2e-test-images/agnhost:2.56
+  for node in $(kubectl get nodes -o name); do
+    images=$(kubectl get "$node" -o jsonpath='{.status.images[*].names[*]}')
+    [[ " $images " == *" $want "* ]] \
+      || { echo "$node has no $want: bring the VM cluster up with the test images (make conformance-vm)" >&2; exit 1; }
+  done
 fi
 
 # Specs that cannot pass here, kept in test/conformance/skip-$DRIVER.txt

@@ -9,6 +9,8 @@
 # Prints the image's path. It is kept in _build/vm-node-seed/ under a key of the archives'
 # names, sizes and times and of this script, and made anew when one of them changes.
 #   VM_DISK_MB=8192   the disk's size (sparse: only what it holds takes space)
+#   SEED_EXTRA=""     more image archives for the nodes, separated by spaces: Kubernetes'
+#                     storage suites' images (make conformance-vm)
 # Needs: root, hack/local-cluster/build.sh and hack/images run first.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -22,6 +24,8 @@ OUT="$BUILD/vm-node-seed"
 "$HERE/images.sh" >/dev/null # pause and busybox
 archives=("$BUILD"/local-cluster-images/pause.tar "$BUILD"/local-cluster-images/busybox.tar
   "$BUILD"/images/modeguard.tar "$BUILD"/images/csi-*.tar)
+read -r -a extra <<<"${SEED_EXTRA:-}"
+archives+=("${extra[@]}")
 for a in "${archives[@]}"; do [[ -s "$a" ]] || die "no image archive $a: run hack/images first"; done
 key=$({ stat -L -c '%n %s %Y' "${archives[@]}"; echo "$VM_DISK_MB"; sha256sum <"${BASH_SOURCE[0]}"; } | sha256sum | cut -c1-16)
 img="$OUT/node-$key.img"

@@ -16,6 +16,7 @@
 #                                      ganesha) with a 1 GiB VM is short of memory
 #   VM_DISK_MB=8192                    the node disk (sparse), made by vm-seed.sh with every
 #                                      image the nodes run in its containerd
+#   SEED_EXTRA=""                      more image archives for that disk (vm-seed.sh)
 #   VM_TB_SIZE_MB=128                  qemu's cache of translated code per VM: qemu's default
 #                                      (1 GiB) grows to about 450 MiB of resident memory per
 #                                      node, 96 MiB started a node no slower
