@@ -66,7 +66,9 @@ done
 # Every mount shared, as systemd leaves a machine's root: the chart's HostToContainer and
 # Bidirectional mounts need it.
 mount --make-rshared /
-# The node's own directories over the host's (bind mounts in the VM's mount table only).
+# The node's own directories over the host's (bind mounts in the VM's mount table only). A
+# fresh host may have no directory to bind onto: an empty one is made on the host's root.
+mkdir -p /var/lib/kubelet /var/log/containers
 mountpoint -q /var/lib/kubelet || mount --bind "$N/kubelet" /var/lib/kubelet
 mount --make-shared /var/lib/kubelet
 mountpoint -q /var/log/containers || mount --bind "$N/container-logs" /var/log/containers
