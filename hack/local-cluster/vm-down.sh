@@ -25,9 +25,13 @@ HOST_NODES=0 "$HERE/down.sh" || rc=1
 if [[ -e /sys/class/net/$VM_BRIDGE ]]; then
   ip link del "$VM_BRIDGE" && echo "[vm-down] removed bridge $VM_BRIDGE" || rc=1
 fi
+if [[ -s "$C/host-ip-forward" ]]; then
+  cat "$C/host-ip-forward" >/proc/sys/net/ipv4/ip_forward || rc=1
+  rm -f "$C/host-ip-forward"
+fi
 # The node disks (sparse, up to VM_DISK_MB each) are made anew by every vm-up.sh.
 rm -f "$C"/vms/*/disk.img
 # The mount points vm-node.sh made in the root the VMs share with the host (9p), where
 # nothing else was: removed while empty.
-rmdir /var/lib/modeguard /etc/modeguard 2>/dev/null || true
+rmdir /var/lib/modeguard /etc/modeguard /var/lib/kubelet /var/log/containers 2>/dev/null || true
 exit $rc

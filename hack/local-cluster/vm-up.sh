@@ -71,6 +71,11 @@ log "bridge $VM_BRIDGE $API_ADDRESS/24"
 ip link add "$VM_BRIDGE" type bridge
 ip addr add "$API_ADDRESS/24" dev "$VM_BRIDGE"
 ip link set "$VM_BRIDGE" up
+# The host routes each node's pod subnet to its VM (below), so a pod reaches another node's
+# pods through the host, as a cluster network joins its nodes: the host forwards between the
+# bridge's ports. The setting it had is kept for vm-down.sh to restore.
+cat /proc/sys/net/ipv4/ip_forward >"$C/host-ip-forward"
+echo 1 >/proc/sys/net/ipv4/ip_forward
 
 t=$(date +%s.%N)
 "$HERE/up.sh"
