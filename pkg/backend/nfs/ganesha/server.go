@@ -47,10 +47,12 @@ type ServerConfig struct {
 	NsenterBinary string
 	// LogLevel is ganesha's -N, NIV_EVENT when empty.
 	LogLevel string
-	// ReadyTimeout bounds each start until ganesha answers on D-Bus (60 s
+	// ReadyTimeout bounds each start until ganesha answers on D-Bus (180 s
 	// when zero: ganesha answers in a fraction of a second on an idle
-	// machine, but took over 10 s in a VM under emulation on a busy one,
-	// and a controller that gives up then starts over, no faster);
+	// machine, but took 81 s in a VM under emulation on a busy one, and a
+	// controller that gives up then starts over, no faster: with 60 s the
+	// VM cluster's controller restarted again and again and never served;
+	// a ganesha that exits is reported at once, whatever the bound);
 	// StopTimeout bounds how long Stop waits after SIGTERM
 	// before SIGKILL (15 s when zero; ganesha takes a few seconds).
 	ReadyTimeout, StopTimeout time.Duration
@@ -263,7 +265,7 @@ func (cfg ServerConfig) withDefaults() (ServerConfig, error) {
 		return cfg, fmt.Errorf("ganesha: log level %q", cfg.LogLevel)
 	}
 	if cfg.ReadyTimeout <= 0 {
-		cfg.ReadyTimeout = 60 * time.Second
+		cfg.ReadyTimeout = 180 * time.Second
 	}
 	if cfg.StopTimeout <= 0 {
 		cfg.StopTimeout = 15 * time.Second
