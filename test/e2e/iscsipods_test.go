@@ -259,19 +259,7 @@ func TestISCSIKubeletRestartReconstructsTheMount(t *testing.T) {
 	}
 	acked := c.ackedWrites("kept", "/data/acked", "before", 3)
 
-	c.nodeCtl("restart-kubelet", node)
-	c.waitFor("node "+node+" Ready again", startTimeout, func() (bool, error) {
-		n, err := c.cs.CoreV1().Nodes().Get(c.ctx, node, metav1.GetOptions{})
-		if err != nil {
-			return false, err
-		}
-		for _, cond := range n.Status.Conditions {
-			if cond.Type == corev1.NodeReady {
-				return cond.Status == corev1.ConditionTrue && cond.LastHeartbeatTime.After(time.Now().Add(-20*time.Second)), nil
-			}
-		}
-		return false, nil
-	})
+	c.restartKubelet(node)
 	acked = append(acked, c.ackedWrites("kept", "/data/acked", "after", 3)...)
 	if got := c.mustExec("kept", "cat", "/data/acked"); got != strings.Join(acked, "\n")+"\n" {
 		c.fatalf("after the kubelet's restart the volume holds\n%s\nwant\n%s", got, strings.Join(acked, "\n"))

@@ -406,6 +406,25 @@ func (c *cluster) nodeCtl(action, node string) {
 	c.t.Logf("%s %s: %s (%s)", action, node, strings.TrimSpace(string(out)), time.Since(t0).Round(time.Second))
 }
 
+// restartKubelet restarts node's kubelet (vm-node-ctl.sh restart-kubelet)
+// and waits until the node reports Ready with a fresh heartbeat.
+func (c *cluster) restartKubelet(node string) {
+	c.t.Helper()
+	c.nodeCtl("restart-kubelet", node)
+	c.waitFor("node "+node+" Ready again", startTimeout, func() (bool, error) {
+		n, err := c.cs.CoreV1().Nodes().Get(c.ctx, node, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		for _, cond := range n.Status.Conditions {
+			if cond.Type == corev1.NodeReady {
+				return cond.Status == corev1.ConditionTrue && cond.LastHeartbeatTime.After(time.Now().Add(-20*time.Second)), nil
+			}
+		}
+		return false, nil
+	})
+}
+
 // ackedWrites appends n lines to file in the pod, each synced before the
 // next: every line whose exec returned was acknowledged.
 func (c *cluster) ackedWrites(pod, file, prefix string, n int) []string {
@@ -480,19 +499,7 @@ func TestNFSKubeletRestartReconstructsTheMount(t *testing.T) {
 	share := c.mountSource("kept", "/data")
 	acked := c.ackedWrites("kept", "/data/acked", "before", 3)
 
-	c.nodeCtl("restart-kubelet", nodeB)
-	c.waitFor("node "+nodeB+" Ready again", startTimeout, func() (bool, error) {
-		n, err := c.cs.CoreV1().Nodes().Get(c.ctx, nodeB, metav1.GetOptions{})
-		if err != nil {
-			return false, err
-		}
-		for _, cond := range n.Status.Conditions {
-			if cond.Type == corev1.NodeReady {
-				return cond.Status == corev1.ConditionTrue && cond.LastHeartbeatTime.After(time.Now().Add(-20*time.Second)), nil
-			}
-		}
-		return false, nil
-	})
+	c.restartKubelet(nodeB)
 	acked = append(acked, c.ackedWrites("kept", "/data/acked", "after", 3)...)
 	if got := c.mustExec("kept", "cat", "/data/acked"); got != strings.Join(acked, "\n")+"\n" {
 		c.fatalf("after the kubelet's restart the volume holds\n%s\nwant\n%s", got, strings.Join(acked, "\n"))
