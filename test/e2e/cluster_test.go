@@ -385,11 +385,17 @@ func (c *cluster) createOne(obj runtime.Object) error {
 // waitFor polls cond every half second until it holds or timeout passes.
 func (c *cluster) waitFor(what string, timeout time.Duration, cond func() (bool, error)) {
 	c.t.Helper()
-	deadline := time.Now().Add(timeout)
+	start := time.Now()
+	deadline := start.Add(timeout)
 	var lastErr error
 	for {
 		ok, err := cond()
 		if ok {
+			// A story's time is mostly its waits: the long ones, logged,
+			// show where it goes (docs/vm-cluster.md's figures).
+			if waited := time.Since(start); waited >= 5*time.Second {
+				c.t.Logf("%s after %s", what, waited.Round(100*time.Millisecond))
+			}
 			return
 		}
 		lastErr = err

@@ -209,16 +209,22 @@ func TestISCSIStorageNodeReboots(t *testing.T) {
 	}
 }
 
-// Node life over iSCSI, the kubelet's: a kubelet restarts under a pod whose
-// block volume its node reached over iSCSI. The kubelet rebuilds its state
-// from what the node has mounted, the pod goes on writing without a
-// restart, and when the pod goes the volume is unmounted, unstaged and
-// logged out of like any other: no mount of its device and no iSCSI session
-// to its target is left on the node. A reconstruction that lost the volume
-// would leave both.
-func TestISCSIKubeletRestartReconstructsTheMount(t *testing.T) {
+// Node life, the kubelet's: a kubelet restarts under a pod that writes an
+// NFS volume and a block volume its node reaches over iSCSI. The kubelet
+// rebuilds its state from what the node has mounted, the pod goes on writing
+// both without a restart, and when the pod goes each volume is unmounted,
+// unstaged and detached like any other: no mount of the export or of the
+// block device, and no iSCSI session to the volume's target, is left on the
+// node. A reconstruction that lost a volume would leave its mount (and the
+// session). One restart serves both transports: under emulation a kubelet's
+// restart and a pod's start are most of such a story's time.
+func TestKubeletRestartReconstructsTheMounts(t *testing.T) {
+	nfsNodes(t)
 	iscsiTargets(t)
 	c := setup(t)
+	// node is zone-a's node without the target: the pod's block volume is
+	// reached over the network, and the node runs neither the controller
+	// (with ganesha) nor a target (hack/local-cluster/vm-deploy.sh).
 	_, node := c.storageNode("zone-a")
 	// sessions lists the targets the node is logged in to.
 	sessions := func() map[string]bool {
@@ -232,11 +238,24 @@ func TestISCSIKubeletRestartReconstructsTheMount(t *testing.T) {
 		}
 		return set
 	}
+	// mounted lists the node's mounts of source.
+	mounted := func(source string) string {
+		out, err := c.inNode(node, `grep "^`+source+` " /proc/mounts; true`)
+		if err != nil {
+			c.fatalf("the mounts of %s: %v\n%s", node, err, out)
+		}
+		return strings.TrimSpace(out)
+	}
 	before := sessions()
-	c.create(blockClaim("kept", corev1.ReadWriteOnce, corev1.PersistentVolumeFilesystem))
-	c.create(onNode(pinnedPod("kept", "kept", ""), node))
+	c.create(blockClaim("block", corev1.ReadWriteOnce, corev1.PersistentVolumeFilesystem))
+	c.create(nfsClaim("nfs", corev1.ReadWriteOnce))
+	pod := onNode(pinnedPod("kept", "block", ""), node)
+	pod.Spec.Containers[0].VolumeMounts = append(pod.Spec.Containers[0].VolumeMounts, corev1.VolumeMount{Name: "nfs", MountPath: "/nfs"})
+	pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{Name: "nfs", VolumeSource: corev1.VolumeSource{
+		PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: "nfs"}}})
+	c.create(pod)
 	kept := c.waitRunning("kept")
-	pv := c.boundPV("kept")
+	blockPV, nfsPV := c.boundPV("block"), c.boundPV("nfs")
 	var volumeTargets []string
 	for name := range sessions() {
 		if !before[name] {
@@ -244,36 +263,40 @@ func TestISCSIKubeletRestartReconstructsTheMount(t *testing.T) {
 		}
 	}
 	if len(volumeTargets) != 1 {
-		c.fatalf("%s logged in to %v for the pod's volume %s, want one target", node, volumeTargets, pv.Name)
+		c.fatalf("%s logged in to %v for the pod's volume %s, want one target", node, volumeTargets, blockPV.Name)
 	}
-	device := c.mountSource("kept", "/data")
-	mounted := func() string {
-		out, err := c.inNode(node, `grep "^`+device+` " /proc/mounts; true`)
-		if err != nil {
-			c.fatalf("the mounts of %s: %v\n%s", node, err, out)
+	device, share := c.mountSource("kept", "/data"), c.mountSource("kept", "/nfs")
+	for _, source := range []string{device, share} {
+		if mounted(source) == "" {
+			c.fatalf("the pod's volume %s is not mounted on %s", source, node)
 		}
-		return strings.TrimSpace(out)
 	}
-	if mounted() == "" {
-		c.fatalf("the pod's device %s is not mounted on %s", device, node)
+	acked := map[string][]string{}
+	for _, dir := range []string{"/data", "/nfs"} {
+		acked[dir] = c.ackedWrites("kept", dir+"/acked", "before", 3)
 	}
-	acked := c.ackedWrites("kept", "/data/acked", "before", 3)
 
 	c.restartKubelet(node)
-	acked = append(acked, c.ackedWrites("kept", "/data/acked", "after", 3)...)
-	if got := c.mustExec("kept", "cat", "/data/acked"); got != strings.Join(acked, "\n")+"\n" {
-		c.fatalf("after the kubelet's restart the volume holds\n%s\nwant\n%s", got, strings.Join(acked, "\n"))
+	for _, dir := range []string{"/data", "/nfs"} {
+		acked[dir] = append(acked[dir], c.ackedWrites("kept", dir+"/acked", "after", 3)...)
+		if got := c.mustExec("kept", "cat", dir+"/acked"); got != strings.Join(acked[dir], "\n")+"\n" {
+			c.fatalf("after the kubelet's restart %s holds\n%s\nwant\n%s", dir, got, strings.Join(acked[dir], "\n"))
+		}
 	}
 	if p := c.pod("kept"); p.UID != kept.UID || p.Status.ContainerStatuses[0].RestartCount != 0 {
 		c.fatalf("the pod on %s was restarted with its kubelet", node)
 	}
 
 	c.deletePodAndWait("kept")
-	c.waitFor("volume "+pv.Name+" detached from "+node, startTimeout, func() (bool, error) {
-		return c.attachment(pv.Name, node) == nil, nil
-	})
-	if m := mounted(); m != "" {
-		c.fatalf("the volume's device is still mounted on %s after the pod went:\n%s", node, m)
+	for _, pv := range []*corev1.PersistentVolume{blockPV, nfsPV} {
+		c.waitFor("volume "+pv.Name+" detached from "+node, startTimeout, func() (bool, error) {
+			return c.attachment(pv.Name, node) == nil, nil
+		})
+	}
+	for _, source := range []string{device, share} {
+		if m := mounted(source); m != "" {
+			c.fatalf("%s is still mounted on %s after the pod went:\n%s", source, node, m)
+		}
 	}
 	if s := sessions(); s[volumeTargets[0]] {
 		c.fatalf("%s is still logged in to %s after the volume was detached", node, volumeTargets[0])

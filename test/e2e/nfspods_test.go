@@ -484,34 +484,3 @@ func podSurvivesItsNodeRebooting(c *cluster, claim *corev1.PersistentVolumeClaim
 		c.fatalf("after the reboot the volume holds\n%s\nwant every acknowledged line:\n%s", got, strings.Join(acked, "\n"))
 	}
 }
-
-// Node life: the kubelet restarts while a pod's NFS volume is mounted. The
-// new kubelet finds the volume from what is on the node (reconstruction),
-// the pod keeps writing, and when the pod goes the volume is unmounted and
-// detached as if the kubelet had never restarted.
-func TestNFSKubeletRestartReconstructsTheMount(t *testing.T) {
-	nfsNodes(t)
-	c := setup(t)
-	c.create(nfsClaim("kept", corev1.ReadWriteOnce))
-	c.create(pinnedPod("kept", "kept", nodeB))
-	c.waitRunning("kept")
-	pv := c.boundPV("kept")
-	share := c.mountSource("kept", "/data")
-	acked := c.ackedWrites("kept", "/data/acked", "before", 3)
-
-	c.restartKubelet(nodeB)
-	acked = append(acked, c.ackedWrites("kept", "/data/acked", "after", 3)...)
-	if got := c.mustExec("kept", "cat", "/data/acked"); got != strings.Join(acked, "\n")+"\n" {
-		c.fatalf("after the kubelet's restart the volume holds\n%s\nwant\n%s", got, strings.Join(acked, "\n"))
-	}
-
-	c.deletePodAndWait("kept")
-	c.waitFor("volume "+pv.Name+" detached from "+nodeB, startTimeout, func() (bool, error) {
-		return c.attachment(pv.Name, nodeB) == nil, nil
-	})
-	_, path, _ := strings.Cut(share, ":")
-	out, err := c.inNode(nodeB, `grep -c ":`+path+` " /proc/mounts`)
-	if strings.TrimSpace(out) != "0" {
-		c.fatalf("%s still mounted on %s after the pod went: %q (%v)", share, nodeB, out, err)
-	}
-}
