@@ -121,34 +121,53 @@ func TestISCSIRawBlockOneWriterReadersElsewhere(t *testing.T) {
 	}
 }
 
-// Node life over iSCSI, the storage node's: the zone's storage node loses
-// its power while two pods write block volumes its target serves.
+// Node life, the storage node's: zone-a's storage node loses its power while
+// pods write block volumes its target serves and an NFS volume.
 //   - A pod on another node of the zone appends a synced line every half
 //     second. Its I/O waits for the target (iscsi.replacementTimeout); the
 //     restarted target exports the volume again with that node on its access
 //     list, iscsid logs in again, and the writer goes on: the pod is never
 //     restarted, its line numbers have no gap and no repeat, and every line
 //     acknowledged before the power cut is there.
-//   - A pod on the storage node itself, which reboots with it: the kubelet
+//   - A pod on the storage node itself, which reboots with it, holding a
+//     block volume of that node's target and an NFS volume: the kubelet
 //     starts its container again once the node is back, the node logs in to
-//     its own target again, and the container finds every acknowledged line
-//     on the same volume (its name, written on it first, is still there:
-//     never an empty directory, never another volume).
-func TestISCSIStorageNodeReboots(t *testing.T) {
+//     its own target again and mounts the same export again, and the
+//     container finds every acknowledged line on each volume (its name,
+//     written on it first, is still there: never an empty directory, never
+//     another volume).
+//
+// One power cut serves both transports' reboot stories: under emulation a
+// reboot and the pod starts around it are most of such a story's time.
+func TestStorageNodeReboots(t *testing.T) {
+	nfsNodes(t)
 	iscsiTargets(t)
 	c := setup(t)
 	storage, node := c.storageNode("zone-a")
 	c.create(blockClaim("written", corev1.ReadWriteOnce, corev1.PersistentVolumeFilesystem),
-		blockClaim("survivor", corev1.ReadWriteOnce, corev1.PersistentVolumeFilesystem))
-	c.create(withCommand(onNode(pinnedPod("writer", "written", ""), node), appendLoop("/data/log")),
-		onNode(pinnedPod("survivor", "survivor", ""), storage))
+		blockClaim("survivor", corev1.ReadWriteOnce, corev1.PersistentVolumeFilesystem),
+		nfsClaim("survivor-nfs", corev1.ReadWriteOnce))
+	survivorPod := onNode(pinnedPod("survivor", "survivor", ""), storage)
+	survivorPod.Spec.Containers[0].VolumeMounts = append(survivorPod.Spec.Containers[0].VolumeMounts, corev1.VolumeMount{Name: "nfs", MountPath: "/nfs"})
+	survivorPod.Spec.Volumes = append(survivorPod.Spec.Volumes, corev1.Volume{Name: "nfs", VolumeSource: corev1.VolumeSource{
+		PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: "survivor-nfs"}}})
+	c.create(withCommand(onNode(pinnedPod("writer", "written", ""), node), appendLoop("/data/log")), survivorPod)
 	writer := c.waitRunning("writer")
 	survivor := c.waitRunning("survivor")
-	survivorPV := c.boundPV("survivor")
-	c.mustExec("survivor", "sh", "-c", "echo "+survivorPV.Name+" > /data/volume && sync")
-	acked := map[string][]string{}
-	for _, pod := range []string{"writer", "survivor"} {
-		acked[pod] = c.ackedWrites(pod, "/data/acked", "before", 3)
+	// The volumes acknowledged lines are written to: pod and directory.
+	type volume struct{ pod, dir string }
+	survivorVolumes := map[volume]*corev1.PersistentVolume{
+		{"survivor", "/data"}: c.boundPV("survivor"),
+		{"survivor", "/nfs"}:  c.boundPV("survivor-nfs"),
+	}
+	for v, pv := range survivorVolumes {
+		c.mustExec(v.pod, "sh", "-c", "echo "+pv.Name+" > "+v.dir+"/volume && sync")
+	}
+	share := c.mountSource("survivor", "/nfs")
+	written := []volume{{"writer", "/data"}, {"survivor", "/data"}, {"survivor", "/nfs"}}
+	acked := map[volume][]string{}
+	for _, v := range written {
+		acked[v] = c.ackedWrites(v.pod, v.dir+"/acked", "before", 3)
 	}
 	lines := func() int {
 		out, _, err := c.exec("writer", "sh", "-c", "wc -l < /data/log")
@@ -189,13 +208,18 @@ func TestISCSIStorageNodeReboots(t *testing.T) {
 		}
 		return p.Status.ContainerStatuses[0].RestartCount > survivor.Status.ContainerStatuses[0].RestartCount, nil
 	})
-	if got := strings.TrimSpace(c.mustExec("survivor", "sh", "-c", "cat /data/volume || true")); got != survivorPV.Name {
-		c.fatalf("after the reboot the survivor's /data holds the volume %q, want %s", got, survivorPV.Name)
+	for v, pv := range survivorVolumes {
+		if got := strings.TrimSpace(c.mustExec(v.pod, "sh", "-c", "cat "+v.dir+"/volume || true")); got != pv.Name {
+			c.fatalf("after the reboot the survivor's %s holds the volume %q, want %s", v.dir, got, pv.Name)
+		}
 	}
-	for _, pod := range []string{"writer", "survivor"} {
-		acked[pod] = append(acked[pod], c.ackedWrites(pod, "/data/acked", "after", 2)...)
-		if got := c.mustExec(pod, "cat", "/data/acked"); got != strings.Join(acked[pod], "\n")+"\n" {
-			c.fatalf("after the storage node's reboot %s's volume holds\n%s\nwant every acknowledged line:\n%s", pod, got, strings.Join(acked[pod], "\n"))
+	if got := c.mountSource("survivor", "/nfs"); got != share {
+		c.fatalf("after the reboot the survivor's /nfs is %q, was %q", got, share)
+	}
+	for _, v := range written {
+		acked[v] = append(acked[v], c.ackedWrites(v.pod, v.dir+"/acked", "after", 2)...)
+		if got := c.mustExec(v.pod, "cat", v.dir+"/acked"); got != strings.Join(acked[v], "\n")+"\n" {
+			c.fatalf("after the storage node's reboot %s's %s holds\n%s\nwant every acknowledged line:\n%s", v.pod, v.dir, got, strings.Join(acked[v], "\n"))
 		}
 	}
 	log := c.mustExec("writer", "cat", "/data/log")
