@@ -178,6 +178,15 @@ func (c *cluster) teardown() {
 	_ = c.cs.AppsV1().Deployments(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
 	_ = c.cs.AppsV1().StatefulSets(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
 	_ = c.cs.CoreV1().Pods(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
+	// The claims go only once their pods are gone and their volumes
+	// detached: csi-provisioner refuses to delete a volume still attached
+	// and retries with a backoff of up to 5 minutes, which a claim deleted
+	// beside its terminating pods would wait out after the detach.
+	// At most two thirds of the teardown's time: what is left then is
+	// deleted anyway, and the check below names it.
+	waitCtx, waitCancel := context.WithTimeout(ctx, scaled(2*time.Minute))
+	c.waitPodsGoneAndDetached(waitCtx)
+	waitCancel()
 	// Group snapshots first: their members go with them (a member alone
 	// is not deleted by the driver).
 	_ = c.dyn.Resource(volumeGroupSnapshots).Namespace(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
@@ -190,10 +199,11 @@ func (c *cluster) teardown() {
 	}
 	_ = c.dyn.Resource(volumeSnapshots).Namespace(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
 	_ = c.cs.CoreV1().PersistentVolumeClaims(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
+	var left []string // as last seen
 	for {
-		var left []string
 		pvs, err := c.cs.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
 		if err == nil {
+			left = nil
 			for _, pv := range pvs.Items {
 				if pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == c.ns {
 					left = append(left, pv.Name+" ("+string(pv.Status.Phase)+")")
@@ -211,6 +221,38 @@ func (c *cluster) teardown() {
 	}
 	if err := c.cs.CoreV1().Namespaces().Delete(ctx, c.ns, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
 		c.t.Errorf("deleting namespace %s: %v", c.ns, err)
+	}
+}
+
+// waitPodsGoneAndDetached waits, while ctx lasts, until the namespace has
+// no pod and no volume of its claims is attached to a node. A pod whose node
+// cannot finish it (fenced, or down for good) may stay: the wait then ends
+// with ctx, and the check of the volumes that follows says what was left.
+func (c *cluster) waitPodsGoneAndDetached(ctx context.Context) {
+	for ctx.Err() == nil {
+		pods, err := c.cs.CoreV1().Pods(c.ns).List(ctx, metav1.ListOptions{})
+		if err == nil && len(pods.Items) == 0 {
+			vas, verr := c.cs.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+			pvs, perr := c.cs.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+			if verr == nil && perr == nil {
+				ours := map[string]bool{}
+				for _, pv := range pvs.Items {
+					if pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == c.ns {
+						ours[pv.Name] = true
+					}
+				}
+				attached := false
+				for _, va := range vas.Items {
+					if pv := va.Spec.Source.PersistentVolumeName; pv != nil && ours[*pv] {
+						attached = true
+					}
+				}
+				if !attached {
+					return
+				}
+			}
+		}
+		time.Sleep(time.Second)
 	}
 }
 
