@@ -53,7 +53,10 @@ const (
 // MODEGUARD_E2E_TIMEOUT_SCALE multiplies them for a slower cluster (nodes in
 // VMs under software emulation start a pod in tens of seconds).
 var (
-	startTimeout   = scaled(2 * time.Minute)
+	startTimeout = scaled(2 * time.Minute)
+	// execTimeout bounds a command run in a pod. Under emulation, with
+	// stories side by side, a plain cat took more than 30 s to answer.
+	execTimeout    = scaled(30 * time.Second)
 	refusalTimeout = scaled(90 * time.Second)
 )
 
@@ -551,7 +554,7 @@ func (c *cluster) execIn(ns, pod, container string, cmd ...string) (stdout, stde
 		return "", "", err
 	}
 	var out, errOut lockedBuffer
-	ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
+	ctx, cancel := context.WithTimeout(c.ctx, execTimeout)
 	defer cancel()
 	err = ex.StreamWithContext(ctx, remotecommand.StreamOptions{Stdout: &out, Stderr: &errOut})
 	return out.String(), errOut.String(), err

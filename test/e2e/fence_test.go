@@ -164,7 +164,7 @@ func TestNetworkFenceCutsANodeOff(t *testing.T) {
 		c.fatalf("after the fence %d of the target's access lists still name %s", n, iqn)
 	}
 	// The write waits for a session the target no longer lets in; exec
-	// gives up on it after its 30 s.
+	// gives up on it after execTimeout.
 	if _, stderr, err := c.exec("block-writer", "sh", "-c", "echo fenced >> /data/acked && sync"); err == nil {
 		c.fatalf("a write to the iSCSI volume was acknowledged after the fence (%s)", stderr)
 	}
