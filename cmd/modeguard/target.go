@@ -101,7 +101,9 @@ func runTarget(o *options) error {
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: remote.Handler(ctrl), ReadHeaderTimeout: 30 * time.Second, TLSConfig: tlsConfig}
+	// ReadHeaderTimeout also bounds a connection's TLS handshake: as long
+	// as the controller's longest try (dialTimeout), for a busy node.
+	srv := &http.Server{Handler: remote.Handler(ctrl), ReadHeaderTimeout: 60 * time.Second, TLSConfig: tlsConfig}
 	serving := make(chan error, 1)
 	go func() {
 		if tlsConfig == nil {
@@ -157,6 +159,20 @@ var leaseHolder = func() string {
 	return fmt.Sprintf("%s pid %d #%x", host, os.Getpid(), r)
 }()
 
+// dialTimeout bounds the attempt-th try (from 0) to reach a storage target:
+// 10 s at first, doubled with each failure up to 60 s. A fixed bound fails
+// forever where a busy machine needs longer than it for a TCP connection and
+// a TLS handshake (seen on nodes under software emulation, each try starting
+// the handshake over), while a target that is simply not up yet is still
+// retried every few seconds at first.
+func dialTimeout(attempt int) time.Duration {
+	const first, most = 10 * time.Second, 60 * time.Second
+	if attempt >= 3 {
+		return most
+	}
+	return min(first<<attempt, most)
+}
+
 // dialTargets connects to every --block-target and joins them, with the
 // block pools of this process, into the block backend. A target that
 // cannot be reached yet is waited for (saying so): the controller serves
@@ -180,8 +196,8 @@ func dialTargets(ctx context.Context, o *options, local backend.Controller, wait
 	sort.Strings(zones)
 	for _, zone := range zones {
 		addr := o.targets[zone]
-		for {
-			try, cancel := context.WithTimeout(ctx, 10*time.Second)
+		for attempt := 0; ; attempt++ {
+			try, cancel := context.WithTimeout(ctx, dialTimeout(attempt))
 			c, err := remote.Dial(try, remote.Target{Address: addr, TLS: o.tls})
 			cancel()
 			if err == nil {
