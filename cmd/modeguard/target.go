@@ -170,7 +170,7 @@ func dialTimeout(attempt int) time.Duration {
 	if attempt >= 3 {
 		return most
 	}
-	return min(first<<attempt, most)
+	return first << attempt
 }
 
 // dialTargets connects to every --block-target and joins them, with the

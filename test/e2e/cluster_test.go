@@ -15,6 +15,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -208,7 +209,7 @@ func (c *cluster) teardown() {
 		if err == nil {
 			left = nil
 			for _, pv := range pvs.Items {
-				if pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == c.ns {
+				if c.owns(&pv) {
 					left = append(left, pv.Name+" ("+string(pv.Status.Phase)+")")
 				}
 			}
@@ -232,31 +233,32 @@ func (c *cluster) teardown() {
 // cannot finish it (fenced, or down for good) may stay: the wait then ends
 // with ctx, and the check of the volumes that follows says what was left.
 func (c *cluster) waitPodsGoneAndDetached(ctx context.Context) {
-	for ctx.Err() == nil {
+	for ; ctx.Err() == nil; time.Sleep(time.Second) {
 		pods, err := c.cs.CoreV1().Pods(c.ns).List(ctx, metav1.ListOptions{})
-		if err == nil && len(pods.Items) == 0 {
-			vas, verr := c.cs.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
-			pvs, perr := c.cs.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
-			if verr == nil && perr == nil {
-				ours := map[string]bool{}
-				for _, pv := range pvs.Items {
-					if pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == c.ns {
-						ours[pv.Name] = true
-					}
-				}
-				attached := false
-				for _, va := range vas.Items {
-					if pv := va.Spec.Source.PersistentVolumeName; pv != nil && ours[*pv] {
-						attached = true
-					}
-				}
-				if !attached {
-					return
-				}
-			}
+		if err != nil || len(pods.Items) > 0 {
+			continue
 		}
-		time.Sleep(time.Second)
+		vas, verr := c.cs.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+		pvs, perr := c.cs.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+		if verr != nil || perr != nil {
+			continue
+		}
+		ours := map[string]bool{}
+		for _, pv := range pvs.Items {
+			ours[pv.Name] = c.owns(&pv)
+		}
+		if !slices.ContainsFunc(vas.Items, func(va storagev1.VolumeAttachment) bool {
+			pv := va.Spec.Source.PersistentVolumeName
+			return pv != nil && ours[*pv]
+		}) {
+			return
+		}
 	}
+}
+
+// owns tells whether pv was made for a claim of the test's namespace.
+func (c *cluster) owns(pv *corev1.PersistentVolume) bool {
+	return pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == c.ns
 }
 
 // dumpState logs what a failed test leaves behind, most telling last (a CI
@@ -274,7 +276,7 @@ func (c *cluster) dumpState(ctx context.Context) {
 	ours := map[string]bool{}
 	if pvs, err := c.cs.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{}); err == nil {
 		for _, pv := range pvs.Items {
-			if pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == c.ns {
+			if c.owns(&pv) {
 				ours[pv.Name] = true
 				c.t.Logf("volume %s for claim %s: %s", pv.Name, pv.Spec.ClaimRef.Name, pv.Status.Phase)
 			}
@@ -769,4 +771,13 @@ func pinnedPod(name, claim, node string) *corev1.Pod {
 				PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: claim}}}},
 		},
 	}
+}
+
+// withClaim mounts claim at path in p's container too, beside its /data.
+func withClaim(p *corev1.Pod, claim, path string) *corev1.Pod {
+	name := "claim-" + claim
+	p.Spec.Containers[0].VolumeMounts = append(p.Spec.Containers[0].VolumeMounts, corev1.VolumeMount{Name: name, MountPath: path})
+	p.Spec.Volumes = append(p.Spec.Volumes, corev1.Volume{Name: name, VolumeSource: corev1.VolumeSource{
+		PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: claim}}})
+	return p
 }

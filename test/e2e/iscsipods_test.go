@@ -147,11 +147,8 @@ func TestStorageNodeReboots(t *testing.T) {
 	c.create(blockClaim("written", corev1.ReadWriteOnce, corev1.PersistentVolumeFilesystem),
 		blockClaim("survivor", corev1.ReadWriteOnce, corev1.PersistentVolumeFilesystem),
 		nfsClaim("survivor-nfs", corev1.ReadWriteOnce))
-	survivorPod := onNode(pinnedPod("survivor", "survivor", ""), storage)
-	survivorPod.Spec.Containers[0].VolumeMounts = append(survivorPod.Spec.Containers[0].VolumeMounts, corev1.VolumeMount{Name: "nfs", MountPath: "/nfs"})
-	survivorPod.Spec.Volumes = append(survivorPod.Spec.Volumes, corev1.Volume{Name: "nfs", VolumeSource: corev1.VolumeSource{
-		PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: "survivor-nfs"}}})
-	c.create(withCommand(onNode(pinnedPod("writer", "written", ""), node), appendLoop("/data/log")), survivorPod)
+	c.create(withCommand(onNode(pinnedPod("writer", "written", ""), node), appendLoop("/data/log")),
+		withClaim(onNode(pinnedPod("survivor", "survivor", ""), storage), "survivor-nfs", "/nfs"))
 	writer := c.waitRunning("writer")
 	survivor := c.waitRunning("survivor")
 	// The volumes acknowledged lines are written to: pod and directory.
@@ -273,11 +270,7 @@ func TestKubeletRestartReconstructsTheMounts(t *testing.T) {
 	before := sessions()
 	c.create(blockClaim("block", corev1.ReadWriteOnce, corev1.PersistentVolumeFilesystem))
 	c.create(nfsClaim("nfs", corev1.ReadWriteOnce))
-	pod := onNode(pinnedPod("kept", "block", ""), node)
-	pod.Spec.Containers[0].VolumeMounts = append(pod.Spec.Containers[0].VolumeMounts, corev1.VolumeMount{Name: "nfs", MountPath: "/nfs"})
-	pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{Name: "nfs", VolumeSource: corev1.VolumeSource{
-		PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: "nfs"}}})
-	c.create(pod)
+	c.create(withClaim(onNode(pinnedPod("kept", "block", ""), node), "nfs", "/nfs"))
 	kept := c.waitRunning("kept")
 	blockPV, nfsPV := c.boundPV("block"), c.boundPV("nfs")
 	var volumeTargets []string
