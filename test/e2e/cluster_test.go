@@ -188,9 +188,11 @@ func (c *cluster) teardown() {
 	// beside its terminating pods would wait out after the detach.
 	// At most two thirds of the teardown's time: what is left then is
 	// deleted anyway, and the check below names it.
+	start := time.Now()
 	waitCtx, waitCancel := context.WithTimeout(ctx, scaled(2*time.Minute))
 	c.waitPodsGoneAndDetached(waitCtx)
 	waitCancel()
+	podsGone := time.Since(start)
 	// Group snapshots first: their members go with them (a member alone
 	// is not deleted by the driver).
 	_ = c.dyn.Resource(volumeGroupSnapshots).Namespace(c.ns).DeleteCollection(ctx, del, metav1.ListOptions{})
@@ -226,6 +228,10 @@ func (c *cluster) teardown() {
 	if err := c.cs.CoreV1().Namespaces().Delete(ctx, c.ns, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
 		c.t.Errorf("deleting namespace %s: %v", c.ns, err)
 	}
+	// Under emulation a teardown is a good part of a story's time: the log
+	// says which part.
+	c.t.Logf("teardown: pods gone and volumes detached after %s, volumes deleted after %s more",
+		podsGone.Round(100*time.Millisecond), (time.Since(start) - podsGone).Round(100*time.Millisecond))
 }
 
 // waitPodsGoneAndDetached waits, while ctx lasts, until the namespace has
