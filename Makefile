@@ -96,8 +96,9 @@ cluster-down-vm:
 # targets serve over iSCSI (the block stories of the local cluster, and
 # those of nodes and targets that reboot), and a NetworkFence through
 # csi-addons. The stories that reboot, restart, cordon or fence a node run
-# one at a time, first; then the others three at a time
-# (MODEGUARD_E2E_PARALLEL: under emulation they mostly wait for pods). The
+# one at a time, first; then the others two at a time (MODEGUARD_E2E_PARALLEL).
+# The batch is bound by the host's two cores: three at a time took as long,
+# and a pod then waited up to five minutes for its sandbox. The
 # cluster goes down afterwards whatever the result. The stories alone take
 # more than 50 minutes here (docs/vm-cluster.md): the timeout leaves room to finish
 # and be measured rather than be cut off in the parallel batch.
@@ -108,7 +109,7 @@ test-e2e-vm: $(HELM)
 		MODEGUARD_E2E_KUBECONFIG=$(CURDIR)/_build/cluster-vm/admin.kubeconfig \
 		MODEGUARD_E2E_NODES=10.98.0.21,10.98.0.22,10.98.0.23 MODEGUARD_E2E_NFS_CLIENTS=1 MODEGUARD_E2E_ISCSI=1 \
 		MODEGUARD_E2E_VM_DIR=$(CURDIR)/_build/cluster-vm/vms MODEGUARD_E2E_TIMEOUT_SCALE=3 MODEGUARD_E2E_PARALLEL=1 \
-			$(GO) test $(GOTEST_FLAGS) -timeout 90m -parallel 3 -v -run '$(E2E_VM_TESTS)' ./test/e2e/ || rc=$$?; \
+			$(GO) test $(GOTEST_FLAGS) -timeout 90m -parallel 2 -v -run '$(E2E_VM_TESTS)' ./test/e2e/ || rc=$$?; \
 	else rc=1; fi; \
 	bash hack/local-cluster/vm-down.sh || rc=$${rc/#0/1}; \
 	exit $$rc
