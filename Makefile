@@ -97,8 +97,8 @@ cluster-down-vm:
 # those of nodes and targets that reboot), and a NetworkFence through
 # csi-addons. The stories that reboot, restart, cordon or fence a node run
 # one at a time, first; then the others two at a time (MODEGUARD_E2E_PARALLEL).
-# The batch is bound by the host's two cores: three at a time took as long,
-# and a pod then waited up to five minutes for its sandbox. The
+# The batch is bound by the host's two cores: three at a time took as long
+# as one by one, and a pod then waited up to five minutes for its sandbox. The
 # cluster goes down afterwards whatever the result. The stories alone take
 # more than 50 minutes here (docs/vm-cluster.md): the timeout leaves room to finish
 # and be measured rather than be cut off in the parallel batch.

@@ -25,9 +25,6 @@ NODES=""
 source "$HERE/lib.sh"
 uptime_s() { local u _; read -r u _ </proc/uptime; echo "$u"; }
 step() { log "[uptime $(uptime_s) s] $*"; }
-# cAdvisor's per-container housekeeping (every 10 s by default) was the largest share of an
-# idle kubelet's CPU in a profile of a node on one emulated CPU (21 %); the stories read no
-# container statistics, and eviction on such a node waits no longer than 30 s to see memory.
 
 N="$LOCAL/node"
 RUN=/run/modeguard-node
@@ -41,6 +38,9 @@ daemon() {
 }
 start_kubelet() {
   step "starting the kubelet"
+  # cAdvisor's per-container housekeeping (every 10 s by default) was the largest share of an
+  # idle kubelet's CPU in a profile of a node on one emulated CPU (21 %); the stories read no
+  # container statistics, and eviction on such a node waits no longer than 30 s to see memory.
   daemon kubelet kubelet --config="$N/kubelet/config.yaml" --kubeconfig="$N/kubelet.kubeconfig" \
     --hostname-override="$NODE" --node-ip="$NODE" --v=1 \
     --housekeeping-interval=30s

@@ -230,7 +230,7 @@ func (c *cluster) teardown() {
 	}
 	// Under emulation a teardown is a good part of a story's time: the log
 	// says which part.
-	c.t.Logf("teardown: pods gone and volumes detached after %s, volumes deleted after %s more",
+	c.t.Logf("teardown: waited %s for the pods to go and the volumes to be detached, then %s for the volumes to be deleted",
 		podsGone.Round(100*time.Millisecond), (time.Since(start) - podsGone).Round(100*time.Millisecond))
 }
 
