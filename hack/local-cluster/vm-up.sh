@@ -17,9 +17,10 @@
 #   VM_DISK_MB=8192                    the node disk (sparse), made by vm-seed.sh with every
 #                                      image the nodes run in its containerd
 #   SEED_EXTRA=""                      more image archives for that disk (vm-seed.sh)
-#   VM_TB_SIZE_MB=128                  qemu's cache of translated code per VM: qemu's default
-#                                      (1 GiB) grows to about 450 MiB of resident memory per
-#                                      node, 96 MiB started a node no slower
+#   VM_TB_SIZE_MB=512                  qemu's cache of translated code per VM: a node's kubelet,
+#                                      containerd and pods fill about 450 MiB of qemu's default
+#                                      (1 GiB); a smaller cache is flushed when full and its code
+#                                      translated again, which costs the CPU the run is short of
 #
 # The host reaches every pod (a route per node's pod subnet through the VM). State in
 # _build/cluster-vm (CLUSTER_DIR): PKI, etcd, control plane logs (logs/), and per VM
@@ -37,7 +38,7 @@ VM_BRIDGE="${VM_BRIDGE:-mgvbr0}"
 VM_NODES="${VM_NODES:-vm1=zone-a vm2=zone-a vm3=zone-b}"
 VM_MEMORY_MB="${VM_MEMORY_MB:-1536}"
 VM_DISK_MB="${VM_DISK_MB:-8192}"
-VM_TB_SIZE_MB="${VM_TB_SIZE_MB:-128}"
+VM_TB_SIZE_MB="${VM_TB_SIZE_MB:-512}"
 export API_ADDRESS="$VM_NET.1" NODES=""
 # Under emulation a kubelet takes tens of seconds to start.
 export WAIT_SECONDS="${WAIT_SECONDS:-300}"

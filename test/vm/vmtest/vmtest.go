@@ -476,7 +476,10 @@ func QemuArgs(img Image, m Machine) []string {
 		"-accel", accel, "-cpu", "max", "-smp", "1", "-m", strconv.Itoa(m.MemoryMB),
 		"-nographic", "-nodefaults", "-no-user-config", "-no-reboot",
 		"-kernel", img.Kernel, "-initrd", img.Initrd,
-		"-append", fmt.Sprintf("console=ttyS0 quiet panic=-1 mgname=%s mgaddr=%s/24 mgwork=%s mgdisk=%d", m.Name, m.Addr, m.WorkDir, disk),
+		// mitigations=off: the guest's Spectre mitigations (retpolines, RSB
+		// filling on every context switch) guard against a CPU the
+		// emulator is not, and cost it indirect-jump lookups.
+		"-append", fmt.Sprintf("console=ttyS0 quiet panic=-1 mitigations=off mgname=%s mgaddr=%s/24 mgwork=%s mgdisk=%d", m.Name, m.Addr, m.WorkDir, disk),
 		"-serial", "file:" + m.Console,
 		"-virtfs", "local,path=/,mount_tag=hostroot,security_model=passthrough,id=hostroot,multidevs=remap",
 		"-netdev", "tap,id=net0,ifname=" + m.Tap + ",script=no,downscript=no",
