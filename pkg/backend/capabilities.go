@@ -39,6 +39,13 @@ type ControllerCapabilities interface {
 	// a group of which more than one volume is attached read/write. The
 	// members are of one zone. On error no member is left.
 	CreateSnapshotGroup(ctx context.Context, members []GroupMember) ([]*Snapshot, error)
+	// ZonesFillableFrom lists the zones, of Zones, in which a new volume
+	// can be filled from a content source (a snapshot or a volume) of
+	// sourceZone. The bytes are copied by the machine that holds them: a
+	// controller with every pool at hand fills a volume in any of its
+	// zones, a storage target only in its own. A zone not served here
+	// gives nil, and so does a backend without zones.
+	ZonesFillableFrom(ctx context.Context, sourceZone string) ([]string, error)
 }
 
 // NodeCapabilities are the optional abilities of a node backend.

@@ -24,6 +24,7 @@ type capabilities struct {
 	creating volumeid.ID // the volume being created in the background
 	blocks   bool        // whether it answers block metadata
 	groups   bool        // whether it takes group snapshots
+	fillable []string    // the zones it fills from a source of its own
 }
 
 var _ backend.ControllerCapabilities = capabilities{}
@@ -54,6 +55,16 @@ func (c capabilities) CreateSnapshotGroup(_ context.Context, members []backend.G
 		out = append(out, &backend.Snapshot{ID: m.ID.String(), Name: m.Name, SourceVolumeID: m.Source.String(), Cutting: i == 0})
 	}
 	return out, nil
+}
+
+// ZonesFillableFrom answers zones no wrapper knows of, for its own zone
+// only, so that a wrapper that asks another part, or answers itself, is
+// seen to.
+func (c capabilities) ZonesFillableFrom(_ context.Context, sourceZone string) ([]string, error) {
+	if len(c.fillable) == 0 || sourceZone != c.fillable[0] {
+		return nil, nil
+	}
+	return slices.Clone(c.fillable), nil
 }
 
 // basics stands for what every controller does; nil, as no probe asks it.
@@ -113,6 +124,9 @@ var controllerProbes = []controllerProbe{
 		}
 		return c.CreateSnapshotGroup(ctx, members)
 	}, ([]*backend.Snapshot)(nil)},
+	{"ZonesFillableFrom", func(ctx context.Context, t *testing.T, c backend.Controller) (any, error) {
+		return c.ZonesFillableFrom(ctx, "zone-a")
+	}, ([]string)(nil)},
 }
 
 // serve puts c behind a storage target's API on a unix socket and returns
@@ -162,7 +176,8 @@ func TestWrappersForwardEveryCapability(t *testing.T) {
 		}
 	}
 
-	zoneA := &capableController{zone: "zone-a", capabilities: capabilities{creating: volumeIn(t, "zone-a"), blocks: true, groups: true}}
+	zoneA := &capableController{zone: "zone-a", capabilities: capabilities{creating: volumeIn(t, "zone-a"), blocks: true, groups: true,
+		fillable: []string{"zone-a", "zone-a-2"}}}
 	zoneB := &capableController{zone: "zone-b"}
 	wrappers := []struct {
 		name string

@@ -352,7 +352,53 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 			"no pool of backend %s is in the requested topology (pools in zones: %s)",
 			ctrl.Backend(), strings.Join(ctrl.Zones(), ", "))
 	}
+	if src != nil && len(ctrl.Zones()) > 0 {
+		if zones, err = fillableZones(ctx, ctrl, src, zones); err != nil {
+			return nil, err
+		}
+	}
 	return createInZones(ctx, ctrl, zones, key, size, specFor)
+}
+
+// fillableZones keeps the candidate zones in which a volume can be filled
+// from src. A zone served by a storage target of its own copies only the
+// images that target holds, so a restore or a clone of a source there is
+// made in the source's zone, and its pod follows it there (the volume's
+// accessible topology). Where the request allows no such zone, the answer
+// is RESOURCE_EXHAUSTED, the code that lets a CO which chose a node in
+// another zone choose again rather than retry the same request.
+func fillableZones(ctx context.Context, ctrl backend.Controller, src *backend.Source, candidates []string) ([]string, error) {
+	raw, kind, err := src.Object()
+	if err != nil {
+		return nil, err
+	}
+	id, err := volumeid.ParseKind(raw, kind)
+	if err != nil {
+		return nil, status.Errorf(codes.NotFound, "content source %s %q does not exist: %v", kind, raw, err)
+	}
+	if id.Backend != ctrl.Backend() {
+		return candidates, nil // refused by the backend, which says why
+	}
+	able, err := ctrl.ZonesFillableFrom(ctx, id.Zone)
+	if err != nil {
+		return nil, err
+	}
+	var kept []string
+	for _, z := range candidates {
+		if slices.Contains(able, z) {
+			kept = append(kept, z)
+		}
+	}
+	if len(kept) == 0 {
+		can := "no zone"
+		if len(able) > 0 {
+			can = "zones " + strings.Join(able, ", ")
+		}
+		return nil, status.Errorf(codes.ResourceExhausted,
+			"content source %s is in %s, whose storage copies only what it holds: a volume filled from it can be made in %s, and the requested topology allows only zones %s; schedule the workload in %s",
+			raw, zoneName(id.Zone), can, strings.Join(candidates, ", "), zoneName(id.Zone))
+	}
+	return kept, nil
 }
 
 // createInZones makes the volume in the first of zones whose pool can hold

@@ -2,12 +2,17 @@ package driver_test
 
 import (
 	"os"
+	"strings"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/backend/memory"
+	"github.com/modeguard/modeguard/pkg/backend/zoned"
 	"github.com/modeguard/modeguard/pkg/driver"
 )
 
@@ -82,16 +87,8 @@ func TestExpandGrowsOnlyToWhatIsAsked(t *testing.T) {
 func TestRestoreKeepsTheSourceKind(t *testing.T) {
 	e := newMemoryEnv(t, 0)
 	rawVol := e.createVolume(t, "raw-source", blockCap(accessmode.SingleNodeWriter))
-	snap, err := e.ctrl.CreateSnapshot(ctx(t), &csi.CreateSnapshotRequest{Name: "raw-snap", SourceVolumeId: rawVol})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		e.ctrl.DeleteSnapshot(ctx(t), &csi.DeleteSnapshotRequest{SnapshotId: snap.GetSnapshot().GetSnapshotId()})
-	})
-	from := &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
-		Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snap.GetSnapshot().GetSnapshotId()}}}
-	_, err = e.ctrl.CreateVolume(ctx(t), &csi.CreateVolumeRequest{Name: "raw-as-fs",
+	from := e.snapshotSource(t, "raw-snap", rawVol)
+	_, err := e.ctrl.CreateVolume(ctx(t), &csi.CreateVolumeRequest{Name: "raw-as-fs",
 		CapacityRange:       &csi.CapacityRange{RequiredBytes: volumeSize},
 		VolumeCapabilities:  []*csi.VolumeCapability{mountCap(accessmode.SingleNodeWriter)},
 		VolumeContentSource: from})
@@ -133,4 +130,88 @@ func TestTopologyNamingOnlyANode(t *testing.T) {
 	if top := resp.GetVolume().GetAccessibleTopology(); len(top) != 1 || top[0].GetSegments()[driver.TopologyZoneKey] != testZone {
 		t.Errorf("the volume's topology is %v, want the node's zone %s", top, testZone)
 	}
+}
+
+// TestRestoreGoesToTheSourcesZone: where each zone is served by a machine
+// of its own (a storage target), a snapshot fills a new volume only in its
+// own zone. A request that allows that zone gets the volume there, even
+// when it prefers another, and its topology says so, so that the pod
+// follows; a request that allows only other zones is RESOURCE_EXHAUSTED,
+// naming the zone, so that the CO chooses again, never NOT_FOUND for a
+// snapshot that exists.
+func TestRestoreGoesToTheSourcesZone(t *testing.T) {
+	e := newMemoryEnv(t, 0, func(e *env) {
+		e.wrap = func(zoneA backend.Controller) backend.Controller {
+			zoneB, err := memory.New(memory.Config{Pools: []memory.Pool{{Zone: "zone-b", SizeBytes: 1 << 30}}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			joined, err := zoned.New(zoneA, zoneB)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return joined
+		}
+	})
+	c := mountCap(accessmode.SingleNodeWriter)
+	inZones := func(zones ...string) []*csi.Topology {
+		var top []*csi.Topology
+		for _, z := range zones {
+			top = append(top, &csi.Topology{Segments: map[string]string{driver.TopologyZoneKey: z}})
+		}
+		return top
+	}
+	create := func(name string, req *csi.TopologyRequirement, from *csi.VolumeContentSource) (*csi.CreateVolumeResponse, error) {
+		resp, err := e.ctrl.CreateVolume(ctx(t), &csi.CreateVolumeRequest{Name: name,
+			CapacityRange:             &csi.CapacityRange{RequiredBytes: volumeSize},
+			VolumeCapabilities:        []*csi.VolumeCapability{c},
+			AccessibilityRequirements: req, VolumeContentSource: from})
+		if err == nil {
+			id := resp.GetVolume().GetVolumeId()
+			t.Cleanup(func() { e.ctrl.DeleteVolume(ctx(t), &csi.DeleteVolumeRequest{VolumeId: id}) })
+		}
+		return resp, err
+	}
+	source, err := create("source-in-b", &csi.TopologyRequirement{Requisite: inZones("zone-b")}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	from := e.snapshotSource(t, "snap-in-b", source.GetVolume().GetVolumeId())
+
+	_, err = create("restored-in-a", &csi.TopologyRequirement{Requisite: inZones("zone-a"), Preferred: inZones("zone-a")}, from)
+	wantCode(t, "a restore allowed only in another zone than its snapshot's", err, codes.ResourceExhausted)
+	if msg := status.Convert(err).Message(); !strings.Contains(msg, "zone zone-b") || !strings.Contains(msg, "zones zone-a") {
+		t.Errorf("the refusal does not name the snapshot's zone and the allowed one: %q", msg)
+	}
+
+	resp, err := create("restored-anywhere", &csi.TopologyRequirement{Requisite: inZones("zone-a", "zone-b"), Preferred: inZones("zone-a")}, from)
+	if err != nil {
+		t.Fatalf("a restore allowed in the snapshot's zone too: %v", err)
+	}
+	if top := resp.GetVolume().GetAccessibleTopology(); len(top) != 1 || top[0].GetSegments()[driver.TopologyZoneKey] != "zone-b" {
+		t.Errorf("the restored volume's topology is %v, want the snapshot's zone zone-b", top)
+	}
+
+	// Without topology, the same: any zone is allowed, the snapshot's is chosen.
+	resp, err = create("restored-no-topology", nil, from)
+	if err != nil {
+		t.Fatalf("a restore without topology: %v", err)
+	}
+	if top := resp.GetVolume().GetAccessibleTopology(); len(top) != 1 || top[0].GetSegments()[driver.TopologyZoneKey] != "zone-b" {
+		t.Errorf("the restored volume's topology is %v, want the snapshot's zone zone-b", top)
+	}
+}
+
+// snapshotSource cuts a snapshot of volID, deleted when the test ends, and
+// returns it as a content source.
+func (e *env) snapshotSource(t *testing.T, name, volID string) *csi.VolumeContentSource {
+	t.Helper()
+	snap, err := e.ctrl.CreateSnapshot(ctx(t), &csi.CreateSnapshotRequest{Name: name, SourceVolumeId: volID})
+	if err != nil {
+		t.Fatalf("CreateSnapshot %s: %v", name, err)
+	}
+	id := snap.GetSnapshot().GetSnapshotId()
+	t.Cleanup(func() { e.ctrl.DeleteSnapshot(ctx(t), &csi.DeleteSnapshotRequest{SnapshotId: id}) })
+	return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+		Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: id}}}
 }

@@ -86,6 +86,7 @@ func RunControllerContract(t *testing.T, props Properties, newController func(t 
 		{"ModifyVolume", k.modifyVolume},
 		{"Health", k.health},
 		{"SnapshotAndRestore", k.snapshotAndRestore},
+		{"RestoreOnlyWhereFillable", k.restoreOnlyWhereFillable},
 		{"AbsentSnapshot", k.absentSnapshot},
 		{"ListSnapshotsSorted", k.listSnapshotsSorted},
 		{"DeleteVolumeKeepsSnapshots", k.deleteVolumeKeepsSnapshots},
@@ -627,6 +628,49 @@ func (k *contract) snapshotAndRestore(t *testing.T) {
 				t.Fatalf("volume made from a %s of %d bytes: %+v", what, source.CapacityBytes, v)
 			}
 		}
+	}
+}
+
+// restoreOnlyWhereFillable: a source fills a new volume in every zone
+// ZonesFillableFrom names, its own zone first among them, and in no other:
+// there CreateVolume fails and leaves nothing, neither a volume nor a copy
+// going on.
+func (k *contract) restoreOnlyWhereFillable(t *testing.T) {
+	if !k.props.Zoned {
+		if zones, err := k.c.ZonesFillableFrom(ctx(t), ""); err != nil || zones != nil {
+			t.Fatalf("ZonesFillableFrom of a backend without zones = %v, %v; want nil", zones, err)
+		}
+		return
+	}
+	for _, from := range k.zones() {
+		spec := k.spec(t, from, "fill-source-"+from)
+		k.create(t, spec)
+		s := k.snapshot(t, spec.ID, "fill-snap-"+from)
+		fillable := must[[]string](t, "ZonesFillableFrom")(k.c.ZonesFillableFrom(ctx(t), from))
+		if !slices.Contains(fillable, from) {
+			t.Fatalf("ZonesFillableFrom(%s) = %v, without the source's own zone", from, fillable)
+		}
+		for _, to := range k.zones() {
+			restore := k.spec(t, to, "filled-from-"+from+"-in-"+to)
+			restore.CapacityBytes = s.SizeBytes
+			restore.Source = &backend.Source{SnapshotID: s.ID}
+			if slices.Contains(fillable, to) {
+				k.create(t, restore)
+				continue
+			}
+			if v, err := k.c.CreateVolume(ctx(t), restore); err == nil {
+				k.c.DeleteVolume(ctx(t), restore.ID)
+				t.Fatalf("a volume in %s filled from a snapshot in %s, which ZonesFillableFrom says cannot be: %+v", to, from, v)
+			}
+			_, err := k.c.Volume(ctx(t), restore.ID)
+			wantCode(t, "Volume of a refused restore", err, codes.NotFound)
+			if creating, err := k.c.Creating(ctx(t), restore.ID); err != nil || creating {
+				t.Fatalf("Creating of a refused restore = %v, %v; want false", creating, err)
+			}
+		}
+	}
+	if zones, err := k.c.ZonesFillableFrom(ctx(t), "zone-nowhere"); err != nil || zones != nil {
+		t.Fatalf("ZonesFillableFrom of a zone not served here = %v, %v; want nil", zones, err)
 	}
 }
 

@@ -227,6 +227,15 @@ func (c *Controller) NodeExpansionRequired(v *backend.Volume) bool {
 
 func (c *Controller) Zones() []string { return slices.Clone(c.zones) }
 
+// ZonesFillableFrom is every zone for a source in one of them: the
+// controller copies between any two of its pools (sourceImage).
+func (c *Controller) ZonesFillableFrom(_ context.Context, sourceZone string) ([]string, error) {
+	if !slices.Contains(c.zones, sourceZone) {
+		return nil, nil
+	}
+	return slices.Clone(c.zones), nil
+}
+
 func (c *Controller) poolFor(id volumeid.ID, kind volumeid.Kind) (*pool, error) {
 	return poolFor(c.pools, c.zones, id, kind)
 }

@@ -309,6 +309,19 @@ func (c *Controller) Creating(ctx context.Context, id volumeid.ID) (bool, error)
 	return false, nil
 }
 
+// ZonesFillableFrom is every zone for a source in one of them, as the
+// block controller it stands for answers with its pools at hand.
+func (c *Controller) ZonesFillableFrom(ctx context.Context, sourceZone string) ([]string, error) {
+	if err := c.enter(ctx, "ZonesFillableFrom"); err != nil {
+		return nil, err
+	}
+	zones := c.Zones()
+	if !slices.Contains(zones, sourceZone) {
+		return nil, nil
+	}
+	return zones, nil
+}
+
 // CreateSnapshotGroup takes the members one after the other, as the
 // backends it stands for do on pools that cannot take a group at once.
 func (c *Controller) CreateSnapshotGroup(ctx context.Context, members []backend.GroupMember) ([]*backend.Snapshot, error) {

@@ -288,6 +288,10 @@ func (c *Controller) NodeExpansionRequired(*backend.Volume) bool { return false 
 // CreateVolume that makes it.
 func (c *Controller) Creating(context.Context, volumeid.ID) (bool, error) { return false, nil }
 
+// ZonesFillableFrom is nil: NFS volumes have no zone, and every one of
+// them can be filled from any source of the export root.
+func (c *Controller) ZonesFillableFrom(context.Context, string) ([]string, error) { return nil, nil }
+
 // SnapshotBlocks refuses: an NFS volume is a directory tree, not a device,
 // so its snapshots have files, not blocks.
 func (c *Controller) SnapshotBlocks(_ context.Context, req backend.BlockRangesRequest) (*backend.BlockRanges, error) {

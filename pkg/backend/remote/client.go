@@ -148,6 +148,12 @@ func (c *Client) Creating(ctx context.Context, id volumeid.ID) (bool, error) {
 	return call[bool](ctx, c, "Creating", idRequest{ID: id})
 }
 
+// ZonesFillableFrom asks the target: it copies only the images it holds,
+// between its own pools.
+func (c *Client) ZonesFillableFrom(ctx context.Context, sourceZone string) ([]string, error) {
+	return call[[]string](ctx, c, "ZonesFillableFrom", zoneRequest{Zone: sourceZone})
+}
+
 // SnapshotBlocks asks the target for one page of ranges: the driver streams
 // the pages it gets, so no call carries more than a page.
 func (c *Client) SnapshotBlocks(ctx context.Context, req backend.BlockRangesRequest) (*backend.BlockRanges, error) {

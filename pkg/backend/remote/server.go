@@ -90,6 +90,9 @@ func handler(c backend.Controller, now func() time.Time) http.Handler {
 	handle(mux, "Pools", func(ctx context.Context, _ empty) ([]backend.PoolStats, error) { return c.Pools(ctx) })
 	handle(mux, "CreateVolume", c.CreateVolume)
 	handle(mux, "Creating", func(ctx context.Context, r idRequest) (bool, error) { return c.Creating(ctx, r.ID) })
+	handle(mux, "ZonesFillableFrom", func(ctx context.Context, r zoneRequest) ([]string, error) {
+		return c.ZonesFillableFrom(ctx, r.Zone)
+	})
 	handle(mux, "SnapshotBlocks", c.SnapshotBlocks)
 	handle(mux, "Volume", func(ctx context.Context, r idRequest) (*backend.Volume, error) { return c.Volume(ctx, r.ID) })
 	handle(mux, "DeleteVolume", func(ctx context.Context, r idRequest) (empty, error) { return empty{}, c.DeleteVolume(ctx, r.ID) })

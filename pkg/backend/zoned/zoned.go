@@ -118,6 +118,17 @@ func (c *Controller) Creating(ctx context.Context, id volumeid.ID) (bool, error)
 	return p.Creating(ctx, id)
 }
 
+// ZonesFillableFrom asks the controller of the source's zone: the parts
+// are separate machines (storage targets), and none of them can copy what
+// another one holds.
+func (c *Controller) ZonesFillableFrom(ctx context.Context, sourceZone string) ([]string, error) {
+	p, ok := c.byZone[sourceZone]
+	if !ok {
+		return nil, nil
+	}
+	return p.ZonesFillableFrom(ctx, sourceZone)
+}
+
 // SnapshotBlocks asks the controller of the target snapshot's zone; a base
 // snapshot in another zone cannot be of the same volume.
 func (c *Controller) SnapshotBlocks(ctx context.Context, req backend.BlockRangesRequest) (*backend.BlockRanges, error) {
