@@ -163,6 +163,7 @@ func contentSource(src *csi.VolumeContentSource) (*backend.Source, error) {
 // its size, and its kind (empty when a record made before snapshots kept
 // it does not say).
 type sourceFacts struct {
+	id         volumeid.ID // where the source is: its backend and zone
 	size       int64
 	accessType accessmode.AccessType
 	fsType     string
@@ -186,13 +187,13 @@ func (s *controllerServer) sourceOf(ctx context.Context, src *backend.Source) (s
 		if err != nil {
 			return sourceFacts{}, err
 		}
-		return sourceFacts{size: snap.SizeBytes, accessType: snap.AccessType, fsType: snap.FsType}, nil
+		return sourceFacts{id: id, size: snap.SizeBytes, accessType: snap.AccessType, fsType: snap.FsType}, nil
 	}
-	_, _, vol, err := s.d.lookupVolume(ctx, src.VolumeID)
+	id, _, vol, err := s.d.lookupVolume(ctx, src.VolumeID)
 	if err != nil {
 		return sourceFacts{}, err
 	}
-	return sourceFacts{size: vol.CapacityBytes, accessType: vol.AccessType, fsType: vol.FsType}, nil
+	return sourceFacts{id: id, size: vol.CapacityBytes, accessType: vol.AccessType, fsType: vol.FsType}, nil
 }
 
 // checkRestore refuses a new volume of another kind than its content
@@ -353,7 +354,7 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 			ctrl.Backend(), strings.Join(ctrl.Zones(), ", "))
 	}
 	if src != nil && len(ctrl.Zones()) > 0 {
-		if zones, err = fillableZones(ctx, ctrl, src, zones); err != nil {
+		if zones, err = fillableZones(ctx, ctrl, source.id, zones); err != nil {
 			return nil, err
 		}
 	}
@@ -361,21 +362,13 @@ func (s *controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolu
 }
 
 // fillableZones keeps the candidate zones in which a volume can be filled
-// from src. A zone served by a storage target of its own copies only the
+// from the source id. A zone served by a storage target of its own copies only the
 // images that target holds, so a restore or a clone of a source there is
 // made in the source's zone, and its pod follows it there (the volume's
 // accessible topology). Where the request allows no such zone, the answer
 // is RESOURCE_EXHAUSTED, the code that lets a CO which chose a node in
 // another zone choose again rather than retry the same request.
-func fillableZones(ctx context.Context, ctrl backend.Controller, src *backend.Source, candidates []string) ([]string, error) {
-	raw, kind, err := src.Object()
-	if err != nil {
-		return nil, err
-	}
-	id, err := volumeid.ParseKind(raw, kind)
-	if err != nil {
-		return nil, status.Errorf(codes.NotFound, "content source %s %q does not exist: %v", kind, raw, err)
-	}
+func fillableZones(ctx context.Context, ctrl backend.Controller, id volumeid.ID, candidates []string) ([]string, error) {
 	if id.Backend != ctrl.Backend() {
 		return candidates, nil // refused by the backend, which says why
 	}
@@ -396,7 +389,7 @@ func fillableZones(ctx context.Context, ctrl backend.Controller, src *backend.So
 		}
 		return nil, status.Errorf(codes.ResourceExhausted,
 			"content source %s is in %s, whose storage copies only what it holds: a volume filled from it can be made in %s, and the requested topology allows only zones %s; schedule the workload in %s",
-			raw, zoneName(id.Zone), can, strings.Join(candidates, ", "), zoneName(id.Zone))
+			id, zoneName(id.Zone), can, strings.Join(candidates, ", "), zoneName(id.Zone))
 	}
 	return kept, nil
 }

@@ -632,7 +632,7 @@ func (k *contract) snapshotAndRestore(t *testing.T) {
 }
 
 // restoreOnlyWhereFillable: a source fills a new volume in every zone
-// ZonesFillableFrom names, its own zone first among them, and in no other:
+// ZonesFillableFrom names, its own zone among them, and in no other:
 // there CreateVolume fails and leaves nothing, neither a volume nor a copy
 // going on.
 func (k *contract) restoreOnlyWhereFillable(t *testing.T) {
