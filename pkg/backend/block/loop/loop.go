@@ -179,8 +179,15 @@ func configure(dev string, backing *os.File, image string, readOnly bool) error 
 // filesystem: No such file or directory), and, claimed under the wrong
 // UUID, it then shadowed the filesystem that really has it until ganesha
 // restarted. A node that says it changed makes every cache probe again.
+//
+// The time is the fine clock's, one microsecond on: libblkid compares the
+// node's time with its probe's to the microsecond, and UTIME_NOW would
+// take the kernel's coarse clock, which runs up to a tick behind, so that
+// a device bound again within a tick of a probe would still look older
+// than it.
 func markChanged(dev *os.File) error {
-	now := []unix.Timespec{{Nsec: unix.UTIME_NOW}, {Nsec: unix.UTIME_NOW}}
+	later := unix.NsecToTimespec(time.Now().Add(time.Microsecond).UnixNano())
+	now := []unix.Timespec{later, later}
 	if err := unix.UtimesNanoAt(unix.AT_FDCWD, "/proc/self/fd/"+strconv.Itoa(int(dev.Fd())), now, 0); err != nil {
 		return fmt.Errorf("marking the device node changed for libblkid's cache: %w", err)
 	}
