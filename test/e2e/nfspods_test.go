@@ -268,9 +268,15 @@ func TestNFSAccessModesAcrossNodes(t *testing.T) {
 		pinnedPod("rox-b", "rox", nodeB),
 		pinnedPod("rwop-first", "rwop", nodeA1),
 	)
+	// Both writers run before either is asked for the other's file: under
+	// emulation one pod can start a minute after the other. A reader's
+	// kernel client then sees the other node's file once its cached view of
+	// the directory expires, within acdirmax (60 s by default): the wait
+	// covers that, not the other pod's start.
+	c.waitRunning("rwx-a")
+	c.waitRunning("rwx-b")
 	for _, p := range []string{"rwx-a", "rwx-b"} {
-		c.waitRunning(p)
-		c.waitFor(p+" reading both nodes' files", 30*time.Second, func() (bool, error) {
+		c.waitFor(p+" reading both nodes' files", 90*time.Second, func() (bool, error) {
 			out, _, err := c.exec(p, "cat", "/data/a", "/data/b")
 			return err == nil && out == "a\nb\n", fmt.Errorf("read %q: %v", out, err)
 		})
