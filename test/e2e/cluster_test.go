@@ -486,6 +486,23 @@ func podReady(p *corev1.Pod) bool {
 	return false
 }
 
+// waitSnapshotReady waits until the VolumeSnapshot is ready to use and
+// returns it as last read.
+func (c *cluster) waitSnapshotReady(name string) *unstructured.Unstructured {
+	c.t.Helper()
+	var snap *unstructured.Unstructured
+	c.waitFor("snapshot "+name+" ready", startTimeout, func() (bool, error) {
+		var err error
+		snap, err = c.dyn.Resource(volumeSnapshots).Namespace(c.ns).Get(c.ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		ready, _, _ := unstructured.NestedBool(snap.Object, "status", "readyToUse")
+		return ready, nil
+	})
+	return snap
+}
+
 // waitRunning waits until the pod is Ready and returns it.
 func (c *cluster) waitRunning(name string) *corev1.Pod {
 	c.t.Helper()

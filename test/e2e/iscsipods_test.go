@@ -145,14 +145,7 @@ func TestISCSIRestoreFollowsItsSource(t *testing.T) {
 		"spec": map[string]any{"volumeSnapshotClassName": "modeguard-snapshots",
 			"source": map[string]any{"persistentVolumeClaimName": "xz-source"}},
 	}})
-	c.waitFor("snapshot xz-snap ready", startTimeout, func() (bool, error) {
-		u, err := c.dyn.Resource(volumeSnapshots).Namespace(c.ns).Get(c.ctx, "xz-snap", metav1.GetOptions{})
-		if err != nil {
-			return false, err
-		}
-		ready, _, _ := unstructured.NestedBool(u.Object, "status", "readyToUse")
-		return ready, nil
-	})
+	c.waitSnapshotReady("xz-snap")
 	c.mustExec("xz-writer", "sh", "-c", "echo changed-after > /data/marker && sync")
 
 	restored := blockClaim("xz-restored", corev1.ReadWriteOnce, corev1.PersistentVolumeFilesystem)

@@ -338,14 +338,7 @@ func TestROXFromSnapshot(t *testing.T) {
 			c.create(u)
 		}
 	}
-	c.waitFor("snapshot rox-snap ready", startTimeout, func() (bool, error) {
-		u, err := c.dyn.Resource(volumeSnapshots).Namespace(c.ns).Get(c.ctx, "rox-snap", metav1.GetOptions{})
-		if err != nil {
-			return false, err
-		}
-		ready, _, _ := unstructured.NestedBool(u.Object, "status", "readyToUse")
-		return ready, nil
-	})
+	c.waitSnapshotReady("rox-snap")
 	// Change the source after the snapshot: the copy must not see it.
 	c.mustExec("rox-source-writer", "sh", "-c", "echo changed > /data/hello && sync")
 
