@@ -115,6 +115,7 @@ type options struct {
 	// this side's certificate for the API between them.
 	targets        targetFlag
 	targetEndpoint string
+	targetStateDir string
 	tls            remote.TLSFiles
 	// iSCSI, for a target that serves its volumes to the nodes over it.
 	iscsiPortal, iscsiPrefix, iscsiCHAPDir string
@@ -202,6 +203,8 @@ func flagSet(o *options) *flag.FlagSet {
 	fs.Var(o.targets, "block-target", "controller: ZONE=HOST:PORT or ZONE=unix:///PATH: the storage target (--roles target) that serves zone ZONE's block pool (repeatable)")
 	fs.StringVar(&o.targetEndpoint, "target-endpoint", "unix:///run/modeguard/target.sock",
 		"target: where to serve the storage target's API: unix:///path (0600) or tcp://host:port (mutual TLS: --tls-cert, --tls-key, --tls-ca)")
+	fs.StringVar(&o.targetStateDir, "target-state-dir", "",
+		"target: a directory on the target's own disk for its lease record (which controller holds it, at which epoch), kept across restarts; empty: the first --block-pool's directory in zone order")
 	fs.StringVar(&o.iscsiPortal, "iscsi-portal", "", "target: ADDR:PORT to serve the volumes to the nodes over iSCSI from (the kernel's LIO target; empty: no iSCSI)")
 	fs.StringVar(&o.iscsiPrefix, "iscsi-iqn-prefix", served.DefaultPrefix, "target: the IQN the volumes' iSCSI targets are named under (<prefix>:<volume>)")
 	fs.StringVar(&o.iscsiCHAPDir, "iscsi-chap-dir", "", "target: a directory with one file per node key holding that node's CHAP secret (a mounted Secret)")

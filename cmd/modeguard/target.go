@@ -11,6 +11,7 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
+	"slices"
 	"sort"
 	"strings"
 	"syscall"
@@ -64,6 +65,13 @@ func runTarget(o *options) error {
 	for _, dir := range o.pools {
 		dirs = append(dirs, dir)
 	}
+	stateDir := targetStateDir(o)
+	if !slices.Contains(dirs, stateDir) {
+		if err := os.MkdirAll(stateDir, 0o700); err != nil {
+			return fmt.Errorf("--target-state-dir: %w", err)
+		}
+		dirs = append(dirs, stateDir)
+	}
 	// One process acts on a pool at a time, whichever role it has.
 	lock, err := controllerlock.Acquire(ctx, dirs, time.Second, time.Minute, func(b controllerlock.Busy) {
 		klog.InfoS("Waiting for another process to let go of the pool", "dir", b.Dir, "holder", b.Holder)
@@ -103,7 +111,12 @@ func runTarget(o *options) error {
 	}
 	// ReadHeaderTimeout also bounds a connection's TLS handshake: as long
 	// as the controller's longest try (dialTimeout), for a busy node.
-	srv := &http.Server{Handler: remote.Handler(ctrl), ReadHeaderTimeout: 60 * time.Second, TLSConfig: tlsConfig}
+	handler, err := remote.NewHandler(ctrl, remote.ServerConfig{StateDir: stateDir})
+	if err != nil {
+		lis.Close()
+		return err
+	}
+	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 60 * time.Second, TLSConfig: tlsConfig}
 	serving := make(chan error, 1)
 	go func() {
 		if tlsConfig == nil {
@@ -128,6 +141,21 @@ func runTarget(o *options) error {
 		return err
 	}
 	return nil
+}
+
+// targetStateDir is where the target records its lease: --target-state-dir,
+// or the directory of its first pool in zone order, which is on the
+// target's disk and locked by it already.
+func targetStateDir(o *options) string {
+	if o.targetStateDir != "" {
+		return o.targetStateDir
+	}
+	zones := make([]string, 0, len(o.pools))
+	for z := range o.pools {
+		zones = append(zones, z)
+	}
+	sort.Strings(zones)
+	return o.pools[zones[0]]
 }
 
 // listenTarget opens --target-endpoint: a unix socket made 0600 (the

@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -32,7 +33,7 @@ func TestOneControllerActsAtATime(t *testing.T) {
 	testenv.RequireRoot(t)
 	bin := testenv.BuildBinary(t)
 	work := t.TempDir()
-	oneControllerActsAtATime(t, bin, work, "--block-pool=zone-a="+filepath.Join(work, "pool"),
+	oneControllerActsAtATime(t, bin, work, nil, "--block-pool=zone-a="+filepath.Join(work, "pool"),
 		"Waiting for another controller to stop", "locked by another controller")
 }
 
@@ -48,7 +49,37 @@ func TestOneControllerPerStorageTarget(t *testing.T) {
 	bin := testenv.BuildBinary(t)
 	work := t.TempDir()
 	sock := filepath.Join(work, "target.sock")
-	logf, err := os.Create(filepath.Join(work, "target.log"))
+	stopTarget := startTarget(t, bin, work, sock)
+	// The target restarts while the second controller waits: it still
+	// knows the first holds its lease (its record, in the pool's
+	// directory), so the second keeps waiting and the first keeps acting,
+	// rather than the waiting one taking the lease the moment the target
+	// is back.
+	restart := func(cc1 csi.ControllerClient) {
+		stopTarget()
+		stopTarget = startTarget(t, bin, work, sock)
+		// The first's next call would take a lease the target forgot;
+		// the waiting one, asking every second, gets the chance first.
+		time.Sleep(2 * time.Second)
+		vol, err := cc1.CreateVolume(context.Background(), &csi.CreateVolumeRequest{Name: "after-restart", CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20},
+			VolumeCapabilities: []*csi.VolumeCapability{capability(accessmode.SingleNodeWriter, "ext4")}})
+		if err != nil {
+			t.Fatalf("the first controller's call after the target restarted: %v", err)
+		}
+		if _, err := cc1.DeleteVolume(context.Background(), &csi.DeleteVolumeRequest{VolumeId: vol.GetVolume().GetVolumeId()}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() { stopTarget() })
+	oneControllerActsAtATime(t, bin, work, restart, "--block-target=zone-a=unix://"+sock,
+		"Waiting for another controller to let go of a storage target", "another controller holds this storage target")
+}
+
+// startTarget runs a storage target of one block pool in work, serving
+// sock, until the function it answers stops it.
+func startTarget(t *testing.T, bin, work, sock string) (stop func()) {
+	logPath := filepath.Join(work, "target.log")
+	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -60,7 +91,12 @@ func TestOneControllerPerStorageTarget(t *testing.T) {
 	}
 	done := make(chan struct{})
 	go func() { _ = target.Wait(); logf.Close(); close(done) }()
-	t.Cleanup(func() {
+	stopped := false
+	stop = func() {
+		if stopped {
+			return
+		}
+		stopped = true
 		_ = target.Process.Signal(syscall.SIGTERM)
 		select {
 		case <-done:
@@ -69,26 +105,28 @@ func TestOneControllerPerStorageTarget(t *testing.T) {
 			<-done
 		}
 		if t.Failed() {
-			t.Logf("target log:\n%s", testenv.ReadFile(filepath.Join(work, "target.log")))
+			t.Logf("target log:\n%s", testenv.ReadFile(logPath))
 		}
-	})
+	}
 	for deadline := time.Now().Add(30 * time.Second); ; {
-		if _, err := os.Stat(sock); err == nil {
-			break
+		if conn, err := net.Dial("unix", sock); err == nil {
+			conn.Close()
+			return stop
 		}
 		if time.Now().After(deadline) {
+			stop()
 			t.Fatal("the target did not serve")
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	oneControllerActsAtATime(t, bin, work, "--block-target=zone-a=unix://"+sock,
-		"Waiting for another controller to let go of a storage target", "another controller holds this storage target")
 }
 
 // oneControllerActsAtATime starts two controllers with blockArg and
 // checks that the second waits (logging waitingLog, refusing calls with
-// refusal) until the first dies, then takes over.
-func oneControllerActsAtATime(t *testing.T, bin, work, blockArg, waitingLog, refusal string) {
+// refusal) until the first dies, then takes over. meanwhile, unless nil,
+// runs while the second waits, given the first's client; the second must
+// go on waiting after it.
+func oneControllerActsAtATime(t *testing.T, bin, work string, meanwhile func(csi.ControllerClient), blockArg, waitingLog, refusal string) {
 	poolArg := blockArg
 	first := &crashProc{t: t, name: "first controller", bin: bin, socket: filepath.Join(work, "c1.sock"), log: filepath.Join(work, "c1.log"),
 		args: []string{"--roles", "controller", poolArg, "--block-pool-filesystem=direct", "-v", "2"}}
@@ -160,7 +198,25 @@ func oneControllerActsAtATime(t *testing.T, bin, work, blockArg, waitingLog, ref
 		t.Errorf("the second controller's log does not name the first (pid %d) as the holder", first.cmd.Process.Pid)
 	}
 	cc2 := csi.NewControllerClient(conn)
-	for i := 0; i < 3; i++ {
+	waits := 3
+	if meanwhile != nil {
+		meanwhile(cc1)
+		// Until the second has asked again (it says what it saw last,
+		// which may be that meanwhile made it wait for something else),
+		// then long enough for a waiting controller, which asks every
+		// second, to take a lease the target no longer knew.
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+			_, err := cc2.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-2@zone-a", VolumeCapability: c})
+			if strings.Contains(status.Convert(err).Message(), refusal) {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("publish through the waiting controller after meanwhile: %v, want UNAVAILABLE saying another controller holds the lock", err)
+			}
+		}
+		waits = 10
+	}
+	for i := 0; i < waits; i++ {
 		if ready, err := probe(); err != nil || ready {
 			t.Fatalf("Probe of the waiting controller = ready %t, %v; want not ready", ready, err)
 		}

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
@@ -20,9 +21,12 @@ type Client struct {
 	base string // URL the methods hang under
 	http *http.Client
 	info infoResponse
-	// holder is this controller's lease name once Hold took the lease;
+	// holder is this controller's lease name once Hold took the lease,
+	// epoch its term, peer where it takes other controllers' calls;
 	// stopRenewal ends the renewals and gives the lease back.
 	holder      string
+	epoch       atomic.Uint64
+	peer        string
 	stopRenewal func()
 }
 

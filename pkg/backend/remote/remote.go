@@ -33,6 +33,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
 
 	"google.golang.org/grpc/codes"
@@ -76,7 +77,7 @@ func handle[Req, Resp any](mux *http.ServeMux, method string, fn func(context.Co
 		if err := dec.Decode(&req); err != nil {
 			env.Error = &wireError{Code: codes.InvalidArgument, Message: fmt.Sprintf("%s: the request is not what the target takes: %v", method, err)}
 		} else if resp, err := fn(r.Context(), req); err != nil {
-			env.Error = toWire(err)
+			env.Error = toWire(termEnded(r.Context(), err))
 		} else if env.Result, err = json.Marshal(resp); err != nil {
 			env.Error = &wireError{Code: codes.Internal, Message: fmt.Sprintf("%s: encoding the answer: %v", method, err)}
 		}
@@ -93,21 +94,21 @@ func writeEnvelope(w http.ResponseWriter, env envelope) {
 // into a Resp.
 //
 // A holder refused for want of the lease (its term ran out between two
-// renewals: a target restarted, which forgets its lease, or renewals that
-// did not get through in time) takes the lease again at once and calls
-// again, rather than failing the call until the next renewal: the refused
-// call was not carried out, and Acquire refuses while another controller
-// holds the lease, so a controller that lost it to a successor is still
-// refused.
+// renewals that did not get through in time, or ended while the call ran)
+// takes the lease again at once and calls again, rather than failing the
+// call until the next renewal: the refused call was not carried out (or was
+// cancelled, and calls are idempotent), and Acquire refuses while another
+// controller holds the lease, so a controller that lost it to a successor
+// is still refused.
 func call[Resp, Req any](ctx context.Context, c *Client, method string, req Req) (Resp, error) {
 	resp, err := callOnce[Resp](ctx, c, method, req)
-	if err == nil || c.holder == "" || method == "Acquire" || method == "Release" || method == "Info" {
+	if err == nil || c.holder == "" || method == "Info" {
 		return resp, err
 	}
 	if st := status.Convert(err); st.Code() != codes.Unavailable || !strings.HasPrefix(st.Message(), notTheHolder) {
 		return resp, err
 	}
-	if _, aerr := callOnce[leaseResponse](ctx, c, "Acquire", leaseRequest{Holder: c.holder}); aerr != nil {
+	if aerr := c.acquire(ctx); aerr != nil {
 		return resp, err
 	}
 	return callOnce[Resp](ctx, c, method, req)
@@ -127,6 +128,9 @@ func callOnce[Resp, Req any](ctx context.Context, c *Client, method string, req 
 	hreq.Header.Set("Content-Type", "application/json")
 	if c.holder != "" {
 		hreq.Header.Set(holderHeader, c.holder)
+		if c.info.LeaseVersion >= leaseVersion {
+			hreq.Header.Set(epochHeader, strconv.FormatUint(c.epoch.Load(), 10))
+		}
 	}
 	hresp, err := c.http.Do(hreq)
 	if err != nil {

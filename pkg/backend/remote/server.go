@@ -16,6 +16,9 @@ type (
 		Backend     accessmode.Backend `json:"backend"`
 		Zones       []string           `json:"zones"`
 		MinimumSize int64              `json:"minimumSize"`
+		// LeaseVersion is the version of the target's lease (see
+		// leaseVersion); absent from targets of version 1.
+		LeaseVersion int `json:"leaseVersion,omitempty"`
 	}
 	empty     struct{}
 	idRequest struct {
@@ -69,19 +72,45 @@ func fromWireSnapshot(w *wireSnapshot, err error) (*backend.Snapshot, error) {
 	return &s, nil
 }
 
-// Handler serves c. Authentication is the listener's (TLS with client
+// Handler serves c with its lease in memory: a restart forgets the
+// holder. Tests and a target on the controller's own host use it; a
+// storage target uses NewHandler.
+func Handler(c backend.Controller) http.Handler {
+	l, _ := newLease("", time.Now, nil)
+	return handler(c, l)
+}
+
+// ServerConfig is what a storage target's handler keeps across restarts
+// and does when stuck.
+type ServerConfig struct {
+	// StateDir holds the lease's record: a restarted target still knows
+	// which controller holds it. It must be on the target's own disk, and
+	// locked by the process (as its pools are).
+	StateDir string
+}
+
+// NewHandler serves c. Authentication is the listener's (TLS with client
 // certificates, or a unix socket only root may open): the handler takes
 // every request that reaches it as a controller's, and answers one
-// controller at a time, the holder of its lease (see Client.Hold).
-func Handler(c backend.Controller) http.Handler { return handler(c, time.Now) }
+// controller at a time, the holder of its lease (see Client.Hold). Calls
+// of a former holder that do not return within DrainLimit of its
+// successor asking for the lease make the process exit.
+func NewHandler(c backend.Controller, cfg ServerConfig) (http.Handler, error) {
+	l, err := newLease(cfg.StateDir, time.Now, exitWhenStuck)
+	if err != nil {
+		return nil, err
+	}
+	return handler(c, l), nil
+}
 
-func handler(c backend.Controller, now func() time.Time) http.Handler {
-	l := &lease{now: now}
+func handler(c backend.Controller, l *lease) http.Handler {
 	mux := http.NewServeMux()
-	handle(mux, "Acquire", func(_ context.Context, r leaseRequest) (leaseResponse, error) { return l.acquire(r.Holder) })
-	handle(mux, "Release", func(_ context.Context, r leaseRequest) (empty, error) { l.release(r.Holder); return empty{}, nil })
+	handle(mux, "Lease", func(context.Context, empty) (leaseResponse, error) { return l.state(), nil })
+	handle(mux, "Acquire", func(_ context.Context, r leaseRequest) (leaseResponse, error) { return l.acquire(r) })
+	handle(mux, "Renew", func(_ context.Context, r leaseRequest) (leaseResponse, error) { return l.renew(r) })
+	handle(mux, "Release", func(_ context.Context, r leaseRequest) (empty, error) { return empty{}, l.release(r) })
 	handle(mux, "Info", func(context.Context, empty) (infoResponse, error) {
-		return infoResponse{Backend: c.Backend(), Zones: c.Zones(), MinimumSize: c.MinimumSize()}, nil
+		return infoResponse{Backend: c.Backend(), Zones: c.Zones(), MinimumSize: c.MinimumSize(), LeaseVersion: leaseVersion}, nil
 	})
 	handle(mux, "NodeExpansionRequired", func(_ context.Context, v backend.Volume) (bool, error) {
 		return c.NodeExpansionRequired(&v), nil
