@@ -6,6 +6,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/http"
 	"net/netip"
@@ -150,12 +151,7 @@ func targetStateDir(o *options) string {
 	if o.targetStateDir != "" {
 		return o.targetStateDir
 	}
-	zones := make([]string, 0, len(o.pools))
-	for z := range o.pools {
-		zones = append(zones, z)
-	}
-	sort.Strings(zones)
-	return o.pools[zones[0]]
+	return o.pools[slices.Sorted(maps.Keys(o.pools))[0]]
 }
 
 // listenTarget opens --target-endpoint: a unix socket made 0600 (the

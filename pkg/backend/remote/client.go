@@ -22,11 +22,10 @@ type Client struct {
 	http *http.Client
 	info infoResponse
 	// holder is this controller's lease name once Hold took the lease,
-	// epoch its term, peer where it takes other controllers' calls;
-	// stopRenewal ends the renewals and gives the lease back.
+	// epoch its term; stopRenewal ends the renewals and gives the lease
+	// back.
 	holder      string
 	epoch       atomic.Uint64
-	peer        string
 	stopRenewal func()
 }
 

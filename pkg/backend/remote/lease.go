@@ -456,11 +456,9 @@ func (c *Client) Hold(ctx context.Context, holder string, waiting func(string)) 
 // leaseRequest is the client's request naming epoch; a target of lease
 // version 1 takes no epoch.
 func (c *Client) leaseRequest(epoch uint64) leaseRequest {
-	r := leaseRequest{Holder: c.holder, Peer: c.peer}
+	r := leaseRequest{Holder: c.holder}
 	if c.info.LeaseVersion >= leaseVersion {
 		r.Epoch = &epoch
-	} else {
-		r.Peer = ""
 	}
 	return r
 }

@@ -507,10 +507,15 @@ func TestLeaseVersionsWorkTogether(t *testing.T) {
 		addr := serveUnix(t, olderTarget(t, clk))
 		first, second := dial(t, addr), dial(t, addr)
 		hold(t, first, "controller-1")
-		if _, err := first.ListVolumes(context.Background()); err != nil {
-			t.Fatalf("a call to an older target: %v", err)
-		}
+		// Renewed by acquiring, as the older target takes it: the term
+		// lasts past the first one's end. callOnce, since call would take
+		// a lapsed lease again.
+		clk.add(LeaseTerm - time.Second)
 		first.renew(context.Background())
+		clk.add(LeaseTerm - time.Second)
+		if _, err := callOnce[[]any](context.Background(), first, "ListVolumes", empty{}); err != nil {
+			t.Fatalf("a call to an older target after renewing: %v", err)
+		}
 		second.holder = "controller-2"
 		wantCode(t, "a second controller", second.acquire(context.Background()), codes.Unavailable)
 		first.Close()
@@ -524,7 +529,7 @@ func TestLeaseVersionsWorkTogether(t *testing.T) {
 		clk.add(LeaseTerm - time.Second)
 		older.renew(context.Background())
 		clk.add(LeaseTerm - time.Second)
-		if _, err := older.ListVolumes(context.Background()); err != nil {
+		if _, err := callOnce[[]any](context.Background(), older, "ListVolumes", empty{}); err != nil {
 			t.Fatalf("an older controller's call after renewing: %v", err)
 		}
 		other.holder = "controller-2"
