@@ -30,6 +30,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/remote"
 	"github.com/modeguard/modeguard/pkg/controllerlock"
 	"github.com/modeguard/modeguard/pkg/driver"
+	"github.com/modeguard/modeguard/pkg/election"
 	"github.com/modeguard/modeguard/pkg/metrics"
 	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/registration"
@@ -286,6 +287,9 @@ func run(o *options) error {
 		// The controller's backends read their directories only once
 		// this process holds the controller lock on them.
 		ControllersLater: isController,
+		// A controller reaching storage targets acts only while it holds
+		// all their leases, which an election among controllers decides.
+		Elected: isController && len(o.targets) > 0,
 	}
 	if o.fenceFile != "" {
 		if !isController {
@@ -411,7 +415,21 @@ func run(o *options) error {
 			return err
 		}
 		defer lock.Release()
-		ctrls, stopControllers, err := setupControllers(ctx, o, d.WaitingFor)
+		var el *election.Elector
+		hooks := election.Config{
+			Active: func() { go startTerm(ctx, d, el) },
+			Standby: func(why string) {
+				if !d.EndTerm(why) {
+					// Its leases are not given back: they run out,
+					// and the next controller waits for that.
+					klog.ErrorS(nil, "Exiting: calls of the ended term still run, and must not run beside another controller's")
+					klog.Flush()
+					os.Exit(1)
+				}
+			},
+			Waiting: func(why string) { d.StandBy(why, el.OtherActs()) },
+		}
+		ctrls, elector, stopControllers, err := setupControllers(ctx, o, d.WaitingFor, hooks)
 		if err != nil {
 			srv.Stop()
 			return err
@@ -421,9 +439,29 @@ func run(o *options) error {
 			srv.Stop()
 			return err
 		}
-		klog.InfoS("Controller ready", "backends", len(ctrls))
+		klog.InfoS("Controller ready", "backends", len(ctrls), "elected", elector != nil)
+		if elector != nil {
+			el = elector
+			elected := make(chan struct{})
+			go func() { defer close(elected); el.Run(ctx) }()
+			// Stopping: the election steps down (ending the term and
+			// giving the leases back) before the backends close.
+			defer func() { <-elected }()
+		}
 	}
 	return <-served
+}
+
+// startTerm begins the driver's term once the election made this
+// controller the acting one; a term that cannot start gives the leases
+// back.
+func startTerm(ctx context.Context, d *driver.Driver, el *election.Elector) {
+	switch err := d.StartTerm(ctx); {
+	case errors.Is(err, driver.ErrTermEndedWhileStarting):
+	case err != nil:
+		klog.ErrorS(err, "Could not start acting; stepping down")
+		el.StepDown(err.Error())
+	}
 }
 
 // controllerDirs are the directories a controller keeps its state in: every
@@ -478,13 +516,14 @@ func lockControllerDirs(ctx context.Context, o *options, d *driver.Driver) (*con
 
 // setupControllers opens the controller's backends; stop undoes what they
 // started (the NFS server).
-func setupControllers(ctx context.Context, o *options, waiting func(string)) (map[accessmode.Backend]backend.Controller, func(), error) {
+func setupControllers(ctx context.Context, o *options, waiting func(string), hooks election.Config) (map[accessmode.Backend]backend.Controller, *election.Elector, func(), error) {
 	ctrls := map[accessmode.Backend]backend.Controller{}
 	stop := func() {}
+	var elector *election.Elector
 	if o.nfs.ExportRoot != "" {
 		c, stopNFS, err := nfs.Setup(ctx, o.nfs)
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		ctrls[accessmode.BackendNFS] = c
 		stop = stopNFS
@@ -499,24 +538,24 @@ func setupControllers(ctx context.Context, o *options, waiting func(string)) (ma
 		c, err := block.NewController(pools)
 		if err != nil {
 			stop()
-			return nil, nil, fmt.Errorf("block pools: %w", err)
+			return nil, nil, nil, fmt.Errorf("block pools: %w", err)
 		}
 		local = c
 	}
 	if len(o.targets) > 0 {
-		joined, closeTargets, err := dialTargets(ctx, o, local, waiting)
+		joined, el, closeTargets, err := dialTargets(ctx, o, local, waiting, hooks)
 		if err != nil {
 			stop()
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
-		local = joined
+		local, elector = joined, el
 		stopNFS := stop
 		stop = func() { closeTargets(); stopNFS() }
 	}
 	if local != nil {
 		ctrls[accessmode.BackendBlock] = local
 	}
-	return ctrls, stop, nil
+	return ctrls, elector, stop, nil
 }
 
 func main() {

@@ -28,6 +28,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend/zoned"
 	"github.com/modeguard/modeguard/pkg/controllerlock"
 	"github.com/modeguard/modeguard/pkg/driver"
+	"github.com/modeguard/modeguard/pkg/election"
 )
 
 // roleTarget is the storage target: it owns its zones' block pools and
@@ -201,8 +202,9 @@ func dialTimeout(attempt int) time.Duration {
 // block pools of this process, into the block backend. A target that
 // cannot be reached yet is waited for (saying so): the controller serves
 // no block zone until every one is there, rather than answering for a
-// zone it cannot see.
-func dialTargets(ctx context.Context, o *options, local backend.Controller, waiting func(string)) (backend.Controller, func(), error) {
+// zone it cannot see. The targets' clients act for the election it
+// answers, which the caller runs once the driver has its backends.
+func dialTargets(ctx context.Context, o *options, local backend.Controller, waiting func(string), hooks election.Config) (backend.Controller, *election.Elector, func(), error) {
 	var parts []backend.Controller
 	if local != nil {
 		parts = append(parts, local)
@@ -228,17 +230,7 @@ func dialTargets(ctx context.Context, o *options, local backend.Controller, wait
 				if got := c.Zones(); len(got) != 1 || got[0] != zone {
 					c.Close()
 					closeAll()
-					return nil, nil, fmt.Errorf("--block-target %s=%s: that target serves zones %v, not %s", zone, addr, got, zone)
-				}
-				// One controller at a time, as the pool's lock file
-				// makes it for a pool of the controller's own.
-				if err := c.Hold(ctx, leaseHolder, func(why string) {
-					klog.InfoS("Waiting for another controller to let go of a storage target", "zone", zone, "why", why)
-					waiting(why)
-				}); err != nil {
-					c.Close()
-					closeAll()
-					return nil, nil, err
+					return nil, nil, nil, fmt.Errorf("--block-target %s=%s: that target serves zones %v, not %s", zone, addr, got, zone)
 				}
 				clients = append(clients, c)
 				parts = append(parts, c)
@@ -250,18 +242,41 @@ func dialTargets(ctx context.Context, o *options, local backend.Controller, wait
 			select {
 			case <-ctx.Done():
 				closeAll()
-				return nil, nil, ctx.Err()
+				return nil, nil, nil, ctx.Err()
 			case <-time.After(2 * time.Second):
 			}
 		}
 	}
+	// One controller acts at a time, as the pools' lock files make it
+	// for pools of the controller's own: the one holding every target's
+	// lease, taken in zone order.
+	targets := make([]election.Target, len(clients))
+	for i, c := range clients {
+		targets[i] = c
+	}
+	cfg := hooks
+	cfg.Holder, cfg.Targets = leaseHolder, targets
+	cfg.Waiting = func(why string) {
+		klog.InfoS("Waiting for another controller to let go of a storage target", "why", why)
+		if hooks.Waiting != nil {
+			hooks.Waiting(why)
+		}
+	}
+	el, err := election.New(cfg)
+	if err != nil {
+		closeAll()
+		return nil, nil, nil, err
+	}
+	for _, c := range clients {
+		c.Elected(leaseHolder, el.Epoch)
+	}
 	if len(parts) == 1 {
-		return parts[0], closeAll, nil
+		return parts[0], el, closeAll, nil
 	}
 	joined, err := zoned.New(parts...)
 	if err != nil {
 		closeAll()
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	return joined, closeAll, nil
+	return joined, el, closeAll, nil
 }

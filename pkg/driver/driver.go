@@ -86,6 +86,12 @@ type Config struct {
 	// (csi-addons NetworkFence), opened with its backends; empty: it
 	// keeps none, and refuses the NetworkFence calls.
 	FenceFile string
+	// Elected says the controller acts only during the terms an election
+	// gives it (StartTerm, EndTerm), on backends set by SetControllers
+	// (with ControllersLater). Between terms it is standby: it answers
+	// Identity and the capability calls, and refuses every other
+	// Controller call UNAVAILABLE.
+	Elected bool
 
 	// Metrics, when set, counts calls and refusals and reads this
 	// driver's volumes, pools and lock files at scrape time; nil is off.
@@ -115,6 +121,15 @@ type Driver struct {
 	// writing by a change of the list (see fence.go).
 	fences    *netfence.List
 	fenceGate sync.RWMutex
+
+	// term is an elected controller's running term (nil: standby), and
+	// standbyReady whether Probe answers ready without one (term.go).
+	termMu       sync.Mutex
+	term         *term
+	standbyReady bool
+	// termGen counts the terms ended, so that a term that was starting
+	// when the controller stepped down does not begin.
+	termGen uint64
 }
 
 // New checks the configuration and prepares a driver.
@@ -126,6 +141,9 @@ func New(cfg Config) (*Driver, error) {
 		return nil, fmt.Errorf("no role given: serve controller, node, or both")
 	}
 	d := &Driver{cfg: cfg, locks: newOpLocks(), nodes: newNodeLocks()}
+	if cfg.Elected && !cfg.ControllersLater {
+		return nil, fmt.Errorf("an elected controller gets its backends later (ControllersLater)")
+	}
 	if d.HasRole(RoleController) && len(cfg.Controllers) == 0 && !cfg.ControllersLater {
 		return nil, fmt.Errorf("the controller role needs at least one backend (e.g. --block-pool ZONE=DIR)")
 	}
@@ -210,6 +228,13 @@ func (d *Driver) SetControllers(c map[accessmode.Backend]backend.Controller) err
 	if len(c) == 0 {
 		return fmt.Errorf("the controller role needs at least one backend (e.g. --block-pool ZONE=DIR)")
 	}
+	if d.cfg.Elected {
+		// The fence list is read and followed as each term starts.
+		d.cfg.Controllers = c
+		d.controllersReady.Store(true)
+		d.setMetricSources()
+		return nil
+	}
 	if err := d.openFences(c); err != nil {
 		return err
 	}
@@ -241,7 +266,20 @@ func (d *Driver) openFences(ctrls map[accessmode.Backend]backend.Controller) err
 }
 
 // Ready reports whether every role this process serves can take calls.
-func (d *Driver) Ready() bool { return !d.HasRole(RoleController) || d.controllersReady.Load() }
+// An elected controller is ready during a term, and as a standby once it
+// knows another controller acts.
+func (d *Driver) Ready() bool {
+	switch {
+	case !d.HasRole(RoleController):
+		return true
+	case d.cfg.Elected:
+		d.termMu.Lock()
+		defer d.termMu.Unlock()
+		return d.term != nil || d.standbyReady
+	default:
+		return d.controllersReady.Load()
+	}
+}
 
 // refuse counts and logs a stage or publish the access-mode rules refused
 // and returns its error for the CO.

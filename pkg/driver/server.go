@@ -5,6 +5,7 @@ package driver
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/url"
@@ -101,29 +102,65 @@ func (d *Driver) NewGRPCServer() *grpc.Server {
 
 // controllerGate answers every Controller call UNAVAILABLE (the CO retries)
 // until the controller's backends are there: the state they read is not
-// this process's to act on before it holds the controller lock.
+// this process's to act on before it holds the controller lock. An elected
+// controller serves them only during a term, under the term's context.
 func (d *Driver) controllerGate(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-	if err := d.refuseBeforeControllers(info.FullMethod); err != nil {
+	if !controllerCall(info.FullMethod) || localControllerCall(info.FullMethod) {
+		return handler(ctx, req)
+	}
+	if !d.cfg.Elected {
+		if err := d.refuseBeforeControllers(); err != nil {
+			return nil, err
+		}
+		return handler(ctx, req)
+	}
+	ctx, leave, err := d.enterTerm(ctx)
+	if err != nil {
 		return nil, err
 	}
-	return handler(ctx, req)
+	defer leave()
+	resp, err := handler(ctx, req)
+	return resp, termEnded(ctx, err)
 }
 
 // controllerStreamGate is controllerGate for the streaming calls (the
 // SnapshotMetadata service's).
 func (d *Driver) controllerStreamGate(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
-	if err := d.refuseBeforeControllers(info.FullMethod); err != nil {
+	if !controllerCall(info.FullMethod) {
+		return handler(srv, ss)
+	}
+	if !d.cfg.Elected {
+		if err := d.refuseBeforeControllers(); err != nil {
+			return err
+		}
+		return handler(srv, ss)
+	}
+	ctx, leave, err := d.enterTerm(ss.Context())
+	if err != nil {
 		return err
 	}
-	return handler(srv, ss)
+	defer leave()
+	return termEnded(ctx, handler(srv, &termStream{ServerStream: ss, ctx: ctx}))
 }
 
-// refuseBeforeControllers is UNAVAILABLE for a call of a controller-side
-// service while the controller's backends are not there yet, nil otherwise.
-func (d *Driver) refuseBeforeControllers(method string) error {
-	controllerCall := strings.HasPrefix(method, "/csi.v1.Controller/") || strings.HasPrefix(method, "/csi.v1.GroupController/") ||
+// termStream is a server stream running under a term's context.
+type termStream struct {
+	grpc.ServerStream
+	ctx context.Context
+}
+
+func (s *termStream) Context() context.Context { return s.ctx }
+
+// controllerCall reports whether method is of a controller-side service.
+func controllerCall(method string) bool {
+	return strings.HasPrefix(method, "/csi.v1.Controller/") || strings.HasPrefix(method, "/csi.v1.GroupController/") ||
 		strings.HasPrefix(method, "/csi.v1.SnapshotMetadata/") || strings.HasPrefix(method, "/fence.FenceController/")
-	if controllerCall && !d.controllersReady.Load() {
+}
+
+// refuseBeforeControllers is UNAVAILABLE while the controller's backends
+// are not there yet, nil otherwise.
+func (d *Driver) refuseBeforeControllers() error {
+	if !d.controllersReady.Load() {
 		why := "the controller is starting"
 		if w := d.waitingFor.Load(); w != nil {
 			why = *w
@@ -131,6 +168,17 @@ func (d *Driver) refuseBeforeControllers(method string) error {
 		return status.Errorf(codes.Unavailable, "not serving controller calls yet: %s", why)
 	}
 	return nil
+}
+
+// termEnded turns the error of a call its term's end cancelled into
+// UNAVAILABLE: the call stopped because this controller stopped acting,
+// and the CO calls again (the successor, or this controller's next term).
+func termEnded(ctx context.Context, err error) error {
+	var ended errTermEnded
+	if err == nil || !errors.As(context.Cause(ctx), &ended) {
+		return err
+	}
+	return status.Errorf(codes.Unavailable, "%v while the call ran, and it was cancelled (%v); call again", ended, status.Convert(err).Message())
 }
 
 // logCalls logs every request and response with secrets stripped, so that

@@ -34,13 +34,16 @@ func TestOneControllerActsAtATime(t *testing.T) {
 	bin := testenv.BuildBinary(t)
 	work := t.TempDir()
 	oneControllerActsAtATime(t, bin, work, nil, "--block-pool=zone-a="+filepath.Join(work, "pool"),
-		"Waiting for another controller to stop", "locked by another controller")
+		"Waiting for another controller to stop", "locked by another controller", false)
 }
 
 // TestOneControllerPerStorageTarget: the same with the pool behind a
 // storage target: the target's lease does what the pool's lock file does.
 // The first controller dies without giving the lease back, so the second
-// takes over once the lease's term has run out.
+// takes over once the lease's term has run out. The second is elected: a
+// standby that knows another controller acts answers Probe ready (its
+// sidecars wait in their own elections, and its liveness probe stays
+// quiet), and refuses the calls that act.
 func TestOneControllerPerStorageTarget(t *testing.T) {
 	// Its own processes, directories and networks: it runs beside the
 	// other tests, most of which mostly wait (grace periods, leases).
@@ -72,7 +75,7 @@ func TestOneControllerPerStorageTarget(t *testing.T) {
 	}
 	t.Cleanup(func() { stopTarget() })
 	oneControllerActsAtATime(t, bin, work, restart, "--block-target=zone-a=unix://"+sock,
-		"Waiting for another controller to let go of a storage target", "another controller holds this storage target")
+		"Waiting for another controller to let go of a storage target", "another controller holds storage target", true)
 }
 
 // startTarget runs a storage target of one block pool in work, serving
@@ -123,10 +126,11 @@ func startTarget(t *testing.T, bin, work, sock string) (stop func()) {
 
 // oneControllerActsAtATime starts two controllers with blockArg and
 // checks that the second waits (logging waitingLog, refusing calls with
-// refusal) until the first dies, then takes over. meanwhile, unless nil,
+// refusal, answering Probe ready only when standbyReady) until the first
+// dies, then takes over. meanwhile, unless nil,
 // runs while the second waits, given the first's client; the second must
 // go on waiting after it.
-func oneControllerActsAtATime(t *testing.T, bin, work string, meanwhile func(csi.ControllerClient), blockArg, waitingLog, refusal string) {
+func oneControllerActsAtATime(t *testing.T, bin, work string, meanwhile func(csi.ControllerClient), blockArg, waitingLog, refusal string, standbyReady bool) {
 	poolArg := blockArg
 	first := &crashProc{t: t, name: "first controller", bin: bin, socket: filepath.Join(work, "c1.sock"), log: filepath.Join(work, "c1.log"),
 		args: []string{"--roles", "controller", poolArg, "--block-pool-filesystem=direct", "-v", "2"}}
@@ -217,8 +221,13 @@ func oneControllerActsAtATime(t *testing.T, bin, work string, meanwhile func(csi
 		waits = 10
 	}
 	for i := 0; i < waits; i++ {
-		if ready, err := probe(); err != nil || ready {
-			t.Fatalf("Probe of the waiting controller = ready %t, %v; want not ready", ready, err)
+		if ready, err := probe(); err != nil || ready != standbyReady {
+			t.Fatalf("Probe of the waiting controller = ready %t, %v; want ready %t", ready, err, standbyReady)
+		}
+		// What it can do is answered whatever its state: sidecars ask
+		// before they elect.
+		if _, err := cc2.ControllerGetCapabilities(ctx, &csi.ControllerGetCapabilitiesRequest{}); err != nil {
+			t.Fatalf("ControllerGetCapabilities of the waiting controller: %v", err)
 		}
 		_, err := cc2.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-2@zone-a", VolumeCapability: c})
 		if status.Code(err) != codes.Unavailable || !strings.Contains(status.Convert(err).Message(), refusal) {
@@ -236,15 +245,16 @@ func oneControllerActsAtATime(t *testing.T, bin, work string, meanwhile func(csi
 	<-first.done
 	deadline = time.Now().Add(30*time.Second + remote.LeaseTerm)
 	for {
-		if ready, err := probe(); err == nil && ready {
+		ready, perr := probe()
+		_, err = cc2.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-2@zone-a", VolumeCapability: c})
+		if perr == nil && ready && status.Code(err) != codes.Unavailable {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("the second controller did not become ready after the first died")
+			t.Fatalf("the second controller did not act after the first died: Probe ready %t, %v; publish: %v", ready, perr, err)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	_, err = cc2.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-2@zone-a", VolumeCapability: c})
 	if status.Code(err) != codes.FailedPrecondition {
 		t.Errorf("publish to a second node through the controller that took over: %v, want FAILED_PRECONDITION (node-1 holds it)", err)
 	}

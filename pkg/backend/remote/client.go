@@ -27,6 +27,9 @@ type Client struct {
 	holder      string
 	epoch       atomic.Uint64
 	stopRenewal func()
+	// termEpoch, set by Elected, answers the epoch a call is sent under,
+	// or why this controller may not act on the target now.
+	termEpoch func(target string) (uint64, error)
 }
 
 var _ backend.Controller = (*Client)(nil)

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -16,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
+	"github.com/modeguard/modeguard/pkg/election"
 	"github.com/modeguard/modeguard/pkg/fsutil"
 )
 
@@ -351,6 +353,10 @@ func (l *lease) admit(holder, epoch string) (context.Context, func(), error) {
 	}, nil
 }
 
+// unleased are the methods anyone may call: what the target serves, and
+// the lease's own.
+var unleased = map[string]bool{"Info": true, "Lease": true, "Acquire": true, "Renew": true, "Release": true}
+
 // notTheHolder begins every refusal of a call for want of the lease: the
 // call was not carried out (or, when its term ended while it ran, was
 // cancelled), and the client may take the lease (if no one else holds it)
@@ -361,8 +367,7 @@ const notTheHolder = "this storage target answers only the controller holding it
 // calls run under its term.
 func (l *lease) leased(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		switch r.URL.Path {
-		case "/v1/Info", "/v1/Lease", "/v1/Acquire", "/v1/Renew", "/v1/Release":
+		if method, ok := strings.CutPrefix(r.URL.Path, "/v1/"); ok && unleased[method] {
 			next.ServeHTTP(w, r)
 			return
 		}
@@ -497,4 +502,60 @@ func (c *Client) renew(ctx context.Context) {
 	if err := c.acquire(ctx); err != nil {
 		klog.InfoS("Could not take the storage target's lease again", "target", c.name, "err", err)
 	}
+}
+
+// Elected makes the client act for an election (package election) rather
+// than hold the lease itself: holder names this controller, and epoch
+// answers, before every call, the term the call is sent under, or why this
+// controller may not act on the target now, in which case the call is
+// refused without being sent. A refused call is not retried by taking the
+// lease: only the election takes leases.
+func (c *Client) Elected(holder string, epoch func(target string) (uint64, error)) {
+	c.holder, c.termEpoch = holder, epoch
+}
+
+var _ election.Target = (*Client)(nil)
+
+// Name is the target's address, which names it in the election.
+func (c *Client) Name() string { return c.name }
+
+// ReadLease reads the target's lease. A target of lease version 1 keeps no
+// epochs and cannot take part in an election.
+func (c *Client) ReadLease(ctx context.Context) (election.Lease, error) {
+	if c.info.LeaseVersion < leaseVersion {
+		return election.Lease{}, status.Errorf(codes.FailedPrecondition,
+			"storage target %s keeps its lease without epochs (an older version), which an elected controller cannot rely on; upgrade it", c.name)
+	}
+	r, err := callOnce[leaseResponse](ctx, c, "Lease", empty{})
+	if err != nil {
+		return election.Lease{}, err
+	}
+	return election.Lease{Holder: r.Holder, Epoch: r.Epoch, ExpiresIn: time.Duration(r.ExpiresInMillis) * time.Millisecond}, nil
+}
+
+// Acquire takes the lease from epoch, as read.
+func (c *Client) Acquire(ctx context.Context, epoch uint64) (uint64, error) {
+	r, err := callOnce[leaseResponse](ctx, c, "Acquire", c.leaseRequest(epoch))
+	if err != nil {
+		return 0, err
+	}
+	if r.Holder != c.holder {
+		return 0, status.Errorf(codes.Unavailable, "storage target %s answered its lease as %q's, not this controller's", c.name, r.Holder)
+	}
+	return r.Epoch, nil
+}
+
+// Renew extends the term of epoch; a term that is over is election.ErrLost.
+func (c *Client) Renew(ctx context.Context, epoch uint64) error {
+	_, err := callOnce[leaseResponse](ctx, c, "Renew", c.leaseRequest(epoch))
+	if status.Code(err) == codes.FailedPrecondition {
+		return fmt.Errorf("%w: %s", election.ErrLost, status.Convert(err).Message())
+	}
+	return err
+}
+
+// Release gives the lease of epoch back.
+func (c *Client) Release(ctx context.Context, epoch uint64) error {
+	_, err := callOnce[empty](ctx, c, "Release", c.leaseRequest(epoch))
+	return err
 }

@@ -102,7 +102,7 @@ func writeEnvelope(w http.ResponseWriter, env envelope) {
 // is still refused.
 func call[Resp, Req any](ctx context.Context, c *Client, method string, req Req) (Resp, error) {
 	resp, err := callOnce[Resp](ctx, c, method, req)
-	if err == nil || c.holder == "" || method == "Info" {
+	if err == nil || c.holder == "" || c.termEpoch != nil || method == "Info" {
 		return resp, err
 	}
 	if st := status.Convert(err); st.Code() != codes.Unavailable || !strings.HasPrefix(st.Message(), notTheHolder) {
@@ -128,8 +128,17 @@ func callOnce[Resp, Req any](ctx context.Context, c *Client, method string, req 
 	hreq.Header.Set("Content-Type", "application/json")
 	if c.holder != "" {
 		hreq.Header.Set(holderHeader, c.holder)
+		epoch := c.epoch.Load()
+		if c.termEpoch != nil && !unleased[method] {
+			// Refused here rather than by the target: a controller whose
+			// term it counts ended must not send, since its own count
+			// ends before the target's.
+			if epoch, err = c.termEpoch(c.name); err != nil {
+				return resp, status.Errorf(codes.Unavailable, "%s to storage target %s not sent: %v", method, c.name, err)
+			}
+		}
 		if c.info.LeaseVersion >= leaseVersion {
-			hreq.Header.Set(epochHeader, strconv.FormatUint(c.epoch.Load(), 10))
+			hreq.Header.Set(epochHeader, strconv.FormatUint(epoch, 10))
 		}
 	}
 	hresp, err := c.http.Do(hreq)
