@@ -81,12 +81,21 @@ func TestOneControllerPerStorageTarget(t *testing.T) {
 // startTarget runs a storage target of one block pool in work, serving
 // sock, until the function it answers stops it.
 func startTarget(t *testing.T, bin, work, sock string) (stop func()) {
-	logPath := filepath.Join(work, "target.log")
+	return startZoneTarget(t, bin, work, "zone-a", sock)
+}
+
+// startZoneTarget is startTarget for zone's pool, in work/pool (zone-a) or
+// work/pool-ZONE, logging to work/target.log or work/target-ZONE.log.
+func startZoneTarget(t *testing.T, bin, work, zone, sock string) (stop func()) {
+	pool, logPath := filepath.Join(work, "pool"), filepath.Join(work, "target.log")
+	if zone != "zone-a" {
+		pool, logPath = filepath.Join(work, "pool-"+zone), filepath.Join(work, "target-"+zone+".log")
+	}
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
 	if err != nil {
 		t.Fatal(err)
 	}
-	target := exec.Command(bin, "--roles", "target", "--block-pool=zone-a="+filepath.Join(work, "pool"), "--block-pool-filesystem=direct",
+	target := exec.Command(bin, "--roles", "target", "--block-pool="+zone+"="+pool, "--block-pool-filesystem=direct",
 		"--target-endpoint", "unix://"+sock, "-v", "2")
 	target.Stdout, target.Stderr = logf, logf
 	if err := target.Start(); err != nil {
