@@ -462,6 +462,30 @@ func countMounts(t *testing.T, read func(mountinfo.FilterFunc) ([]*mounts.Mount,
 	return len(infos)
 }
 
+// serveDriver serves d on a socket of its own until the test ends, and
+// answers a connection to it.
+func serveDriver(t *testing.T, d *driver.Driver) *grpc.ClientConn {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "mg-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	lis, err := net.Listen("unix", filepath.Join(dir, "csi.sock"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := d.NewGRPCServer()
+	go srv.Serve(lis)
+	t.Cleanup(srv.Stop)
+	conn, err := grpc.NewClient("unix://"+lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
 func wantCode(t *testing.T, what string, err error, want ...codes.Code) {
 	t.Helper()
 	got := status.Code(err)

@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"io"
-	"net"
-	"os"
 	"path/filepath"
 	"slices"
 	"testing"
@@ -13,7 +11,6 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
@@ -195,23 +192,7 @@ func TestSnapshotMetadataWaitsForTheController(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dir, err := os.MkdirTemp("", "mg-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	lis, err := net.Listen("unix", filepath.Join(dir, "csi.sock"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := d.NewGRPCServer()
-	go srv.Serve(lis)
-	t.Cleanup(srv.Stop)
-	conn, err := grpc.NewClient("unix://"+lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
+	conn := serveDriver(t, d)
 	sm := csi.NewSnapshotMetadataClient(conn)
 	snapID := volumeid.ID{Backend: accessmode.BackendBlock, Zone: testZone, Kind: volumeid.Snapshot,
 		Key: volumeid.KeyFor("test", volumeid.Snapshot, "any")}.String()
