@@ -7,6 +7,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -33,6 +34,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/election"
 	"github.com/modeguard/modeguard/pkg/metrics"
 	"github.com/modeguard/modeguard/pkg/nodeid"
+	"github.com/modeguard/modeguard/pkg/peer"
 	"github.com/modeguard/modeguard/pkg/registration"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
@@ -118,6 +120,10 @@ type options struct {
 	targetEndpoint string
 	targetStateDir string
 	tls            remote.TLSFiles
+	// controllerPeerListen is where an elected controller takes the calls
+	// its standbys forward (tcp://HOST:PORT), and peerAddress the HOST:PORT
+	// it advertises of it.
+	controllerPeerListen, peerAddress string
 	// iSCSI, for a target that serves its volumes to the nodes over it.
 	iscsiPortal, iscsiPrefix, iscsiCHAPDir string
 
@@ -206,6 +212,10 @@ func flagSet(o *options) *flag.FlagSet {
 		"target: where to serve the storage target's API: unix:///path (0600) or tcp://host:port (mutual TLS: --tls-cert, --tls-key, --tls-ca)")
 	fs.StringVar(&o.targetStateDir, "target-state-dir", "",
 		"target: a directory on the target's own disk for its lease record (which controller holds it, at which epoch), kept across restarts; empty: the first --block-pool's directory in zone order")
+	fs.StringVar(&o.controllerPeerListen, "controller-peer-listen", "",
+		"controller with --block-target: tcp://HOST:PORT where this controller, when acting, takes the calls the standby controllers forward to it (mutual TLS: --tls-cert, "+
+			"--tls-key, --tls-ca; the certificate names "+peer.ServerName+"), and which it records in the targets' leases for them; HOST is the address the others reach it at "+
+			"(in a pod, $(POD_IP)). Empty: a standby refuses the calls it receives (UNAVAILABLE) rather than forward them")
 	fs.StringVar(&o.iscsiPortal, "iscsi-portal", "", "target: ADDR:PORT to serve the volumes to the nodes over iSCSI from (the kernel's LIO target; empty: no iSCSI)")
 	fs.StringVar(&o.iscsiPrefix, "iscsi-iqn-prefix", served.DefaultPrefix, "target: the IQN the volumes' iSCSI targets are named under (<prefix>:<volume>)")
 	fs.StringVar(&o.iscsiCHAPDir, "iscsi-chap-dir", "", "target: a directory with one file per node key holding that node's CHAP secret (a mounted Secret)")
@@ -313,6 +323,14 @@ func run(o *options) error {
 	}
 	if isController && len(o.pools) == 0 && len(o.targets) == 0 && o.nfs.ExportRoot == "" {
 		return fmt.Errorf("the controller role needs at least one backend (e.g. --block-pool ZONE=DIR)")
+	}
+	if o.controllerPeerListen != "" {
+		if !cfg.Elected {
+			return fmt.Errorf("--controller-peer-listen is for a controller with --block-target: only controllers elected on the storage targets' leases forward calls to each other")
+		}
+		if o.peerAddress, err = peer.Address(o.controllerPeerListen); err != nil {
+			return err
+		}
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
@@ -442,6 +460,14 @@ func run(o *options) error {
 		klog.InfoS("Controller ready", "backends", len(ctrls), "elected", elector != nil)
 		if elector != nil {
 			el = elector
+			if o.peerAddress != "" {
+				stopPeers, err := servePeers(o, d, el)
+				if err != nil {
+					srv.Stop()
+					return err
+				}
+				defer stopPeers()
+			}
 			elected := make(chan struct{})
 			go func() { defer close(elected); el.Run(ctx) }()
 			// Stopping: the election steps down (ending the term and
@@ -450,6 +476,33 @@ func run(o *options) error {
 		}
 	}
 	return <-served
+}
+
+// servePeers listens on --controller-peer-listen for the calls standbys
+// forward while this controller acts, and lets it forward the calls it
+// receives while it stands by to the controller the leases name.
+func servePeers(o *options, d *driver.Driver, el *election.Elector) (stop func(), err error) {
+	creds, err := peer.ServerCredentials(o.tls)
+	if err != nil {
+		return nil, err
+	}
+	lis, err := net.Listen("tcp", o.peerAddress)
+	if err != nil {
+		return nil, fmt.Errorf("--controller-peer-listen: %w", err)
+	}
+	srv, err := d.NewPeerServer(creds)
+	if err != nil {
+		lis.Close()
+		return nil, err
+	}
+	go srv.Serve(lis)
+	dialer := peer.NewDialer(o.tls, el.ActingPeer)
+	d.SetPeers(dialer)
+	klog.InfoS("Serving other controllers' forwarded calls", "address", o.peerAddress)
+	return func() {
+		srv.Stop()
+		dialer.Close()
+	}, nil
 }
 
 // startTerm begins the driver's term once the election made this

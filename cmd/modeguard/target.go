@@ -268,7 +268,7 @@ func dialTargets(ctx context.Context, o *options, local backend.Controller, wait
 		return nil, nil, nil, err
 	}
 	for _, c := range clients {
-		c.Elected(leaseHolder, el.Epoch)
+		c.Elected(leaseHolder, o.peerAddress, el.Epoch)
 	}
 	if len(parts) == 1 {
 		return parts[0], el, closeAll, nil

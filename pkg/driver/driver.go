@@ -130,6 +130,8 @@ type Driver struct {
 	// termGen counts the terms ended, so that a term that was starting
 	// when the controller stepped down does not begin.
 	termGen uint64
+	// peers finds the acting controller for a standby (forward.go).
+	peers atomic.Pointer[Peers]
 }
 
 // New checks the configuration and prepares a driver.
@@ -190,6 +192,7 @@ func New(cfg Config) (*Driver, error) {
 		}
 		d.followFencesAtStart()
 		d.controllersReady.Store(true)
+		d.cfg.Metrics.SetControllerActive(true)
 	} else {
 		d.controllersReady.Store(true)
 	}
@@ -241,6 +244,7 @@ func (d *Driver) SetControllers(c map[accessmode.Backend]backend.Controller) err
 	d.cfg.Controllers = c
 	d.followFencesAtStart()
 	d.controllersReady.Store(true)
+	d.cfg.Metrics.SetControllerActive(true)
 	d.setMetricSources()
 	return nil
 }

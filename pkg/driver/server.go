@@ -78,13 +78,13 @@ func ListenMode(endpoint string, mode os.FileMode) (net.Listener, error) {
 }
 
 // NewGRPCServer registers the services this driver's roles call for.
-func (d *Driver) NewGRPCServer() *grpc.Server {
+func (d *Driver) NewGRPCServer(opts ...grpc.ServerOption) *grpc.Server {
 	interceptors := []grpc.UnaryServerInterceptor{logCalls, d.controllerGate}
 	if d.cfg.Metrics != nil {
 		// Outermost, so the duration covers everything the driver does.
 		interceptors = append([]grpc.UnaryServerInterceptor{d.cfg.Metrics.UnaryServerInterceptor()}, interceptors...)
 	}
-	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(interceptors...), grpc.ChainStreamInterceptor(logStreams, d.controllerStreamGate))
+	srv := grpc.NewServer(append([]grpc.ServerOption{grpc.ChainUnaryInterceptor(interceptors...), grpc.ChainStreamInterceptor(logStreams, d.controllerStreamGate)}, opts...)...)
 	csi.RegisterIdentityServer(srv, &identityServer{d: d})
 	if d.HasRole(RoleController) {
 		csi.RegisterControllerServer(srv, &controllerServer{d: d})
@@ -114,13 +114,13 @@ func (d *Driver) controllerGate(ctx context.Context, req any, info *grpc.UnarySe
 		}
 		return handler(ctx, req)
 	}
-	ctx, leave, err := d.enterTerm(ctx)
+	tctx, leave, err := d.enterTerm(ctx)
 	if err != nil {
-		return nil, err
+		return d.forwardUnary(ctx, info.FullMethod, req, err)
 	}
 	defer leave()
-	resp, err := handler(ctx, req)
-	return resp, termEnded(ctx, err)
+	resp, err := handler(tctx, req)
+	return resp, termEnded(tctx, err)
 }
 
 // controllerStreamGate is controllerGate for the streaming calls (the
@@ -137,7 +137,7 @@ func (d *Driver) controllerStreamGate(srv any, ss grpc.ServerStream, info *grpc.
 	}
 	ctx, leave, err := d.enterTerm(ss.Context())
 	if err != nil {
-		return err
+		return d.forwardStream(ss, info.FullMethod, err)
 	}
 	defer leave()
 	return termEnded(ctx, handler(srv, &termStream{ServerStream: ss, ctx: ctx}))

@@ -115,33 +115,6 @@ func TestSnapshotMetadataStreams(t *testing.T) {
 		t.Errorf("plugin capabilities %v lack SNAPSHOT_METADATA_SERVICE", identity.GetCapabilities())
 	}
 
-	sm := csi.NewSnapshotMetadataClient(e.conn)
-	allocated := func(req *csi.GetMetadataAllocatedRequest) ([]backend.BlockRange, int64, error) {
-		t.Helper()
-		return streamAll(t, sm.GetMetadataAllocated, req, req.GetMaxResults())
-	}
-	delta := func(req *csi.GetMetadataDeltaRequest) ([]backend.BlockRange, int64, error) {
-		t.Helper()
-		return streamAll(t, sm.GetMetadataDelta, req, req.GetMaxResults())
-	}
-
-	got, capacity, err := allocated(&csi.GetMetadataAllocatedRequest{SnapshotId: base})
-	if want := []backend.BlockRange{span(0, 16*kib), span(2*mib, 64*kib)}; err != nil || !slices.Equal(got, want) || capacity != volumeSize {
-		t.Errorf("allocated in base: %v, capacity %d, %v; want %v, %d", got, capacity, err, want, volumeSize)
-	}
-	got, _, err = allocated(&csi.GetMetadataAllocatedRequest{SnapshotId: target, MaxResults: 1, StartingOffset: 2*mib + 4*kib})
-	if want := []backend.BlockRange{span(2*mib+4*kib, 60*kib), span(8*mib, 4*kib)}; err != nil || !slices.Equal(got, want) {
-		t.Errorf("allocated in target from 2 MiB + 4 KiB, a range a response: %v, %v; want %v", got, err, want)
-	}
-	got, _, err = delta(&csi.GetMetadataDeltaRequest{BaseSnapshotId: base, TargetSnapshotId: target, MaxResults: 1})
-	if want := []backend.BlockRange{span(2*mib+8*kib, 8*kib), span(8*mib, 4*kib)}; err != nil || !slices.Equal(got, want) {
-		t.Errorf("delta, a range a response: %v, %v; want exactly what was written between, %v", got, err, want)
-	}
-	got, capacity, err = delta(&csi.GetMetadataDeltaRequest{BaseSnapshotId: base, TargetSnapshotId: target, StartingOffset: volumeSize})
-	if err != nil || len(got) != 0 || capacity != volumeSize {
-		t.Errorf("delta from the end: %v, capacity %d, %v; want nothing, and the capacity", got, capacity, err)
-	}
-
 	other := e.createVolume(t, "other", blockCap(accessmode.SingleNodeWriter))
 	resp, err := e.ctrl.CreateSnapshot(ctx(t), &csi.CreateSnapshotRequest{Name: "of-other", SourceVolumeId: other})
 	if err != nil {
@@ -150,36 +123,72 @@ func TestSnapshotMetadataStreams(t *testing.T) {
 	ofOther := resp.GetSnapshot().GetSnapshotId()
 	t.Cleanup(func() { e.ctrl.DeleteSnapshot(ctx(t), &csi.DeleteSnapshotRequest{SnapshotId: ofOther}) })
 	unknown := volumeid.ID{Backend: id.Backend, Zone: id.Zone, Kind: volumeid.Snapshot, Key: volumeid.KeyFor("test", volumeid.Snapshot, "never")}.String()
-	for _, tc := range []struct {
+	// The same through a standby controller, which forwards the streams
+	// to the acting one: the same pages, the same errors.
+	for _, via := range []struct {
 		name string
-		req  *csi.GetMetadataAllocatedRequest
-		want codes.Code
-	}{
-		{"no snapshot id", &csi.GetMetadataAllocatedRequest{}, codes.InvalidArgument},
-		{"an unknown snapshot", &csi.GetMetadataAllocatedRequest{SnapshotId: unknown}, codes.NotFound},
-		{"not a snapshot id", &csi.GetMetadataAllocatedRequest{SnapshotId: volID}, codes.NotFound},
-		{"a negative offset", &csi.GetMetadataAllocatedRequest{SnapshotId: base, StartingOffset: -1}, codes.OutOfRange},
-		{"an offset past the end", &csi.GetMetadataAllocatedRequest{SnapshotId: base, StartingOffset: volumeSize + 1}, codes.OutOfRange},
-		{"negative max_results", &csi.GetMetadataAllocatedRequest{SnapshotId: base, MaxResults: -1}, codes.InvalidArgument},
-	} {
-		_, _, err := allocated(tc.req)
-		wantCode(t, "allocated: "+tc.name, err, tc.want)
-	}
-	for _, tc := range []struct {
-		name string
-		req  *csi.GetMetadataDeltaRequest
-		want codes.Code
-	}{
-		{"no base", &csi.GetMetadataDeltaRequest{TargetSnapshotId: target}, codes.InvalidArgument},
-		{"no target", &csi.GetMetadataDeltaRequest{BaseSnapshotId: base}, codes.InvalidArgument},
-		{"an unknown base", &csi.GetMetadataDeltaRequest{BaseSnapshotId: unknown, TargetSnapshotId: target}, codes.NotFound},
-		{"snapshots of two volumes", &csi.GetMetadataDeltaRequest{BaseSnapshotId: ofOther, TargetSnapshotId: target}, codes.InvalidArgument},
-		{"one snapshot twice", &csi.GetMetadataDeltaRequest{BaseSnapshotId: target, TargetSnapshotId: target}, codes.InvalidArgument},
-		{"an offset past the end", &csi.GetMetadataDeltaRequest{BaseSnapshotId: base, TargetSnapshotId: target, StartingOffset: volumeSize + 1},
-			codes.OutOfRange},
-	} {
-		_, _, err := delta(tc.req)
-		wantCode(t, "delta: "+tc.name, err, tc.want)
+		conn *grpc.ClientConn
+	}{{"direct", e.conn}, {"forwarded by a standby", forwardingStandby(t, e.d)}} {
+		t.Run(via.name, func(t *testing.T) {
+			sm := csi.NewSnapshotMetadataClient(via.conn)
+			allocated := func(req *csi.GetMetadataAllocatedRequest) ([]backend.BlockRange, int64, error) {
+				t.Helper()
+				return streamAll(t, sm.GetMetadataAllocated, req, req.GetMaxResults())
+			}
+			delta := func(req *csi.GetMetadataDeltaRequest) ([]backend.BlockRange, int64, error) {
+				t.Helper()
+				return streamAll(t, sm.GetMetadataDelta, req, req.GetMaxResults())
+			}
+
+			got, capacity, err := allocated(&csi.GetMetadataAllocatedRequest{SnapshotId: base})
+			if want := []backend.BlockRange{span(0, 16*kib), span(2*mib, 64*kib)}; err != nil || !slices.Equal(got, want) || capacity != volumeSize {
+				t.Errorf("allocated in base: %v, capacity %d, %v; want %v, %d", got, capacity, err, want, volumeSize)
+			}
+			got, _, err = allocated(&csi.GetMetadataAllocatedRequest{SnapshotId: target, MaxResults: 1, StartingOffset: 2*mib + 4*kib})
+			if want := []backend.BlockRange{span(2*mib+4*kib, 60*kib), span(8*mib, 4*kib)}; err != nil || !slices.Equal(got, want) {
+				t.Errorf("allocated in target from 2 MiB + 4 KiB, a range a response: %v, %v; want %v", got, err, want)
+			}
+			got, _, err = delta(&csi.GetMetadataDeltaRequest{BaseSnapshotId: base, TargetSnapshotId: target, MaxResults: 1})
+			if want := []backend.BlockRange{span(2*mib+8*kib, 8*kib), span(8*mib, 4*kib)}; err != nil || !slices.Equal(got, want) {
+				t.Errorf("delta, a range a response: %v, %v; want exactly what was written between, %v", got, err, want)
+			}
+			got, capacity, err = delta(&csi.GetMetadataDeltaRequest{BaseSnapshotId: base, TargetSnapshotId: target, StartingOffset: volumeSize})
+			if err != nil || len(got) != 0 || capacity != volumeSize {
+				t.Errorf("delta from the end: %v, capacity %d, %v; want nothing, and the capacity", got, capacity, err)
+			}
+
+			for _, tc := range []struct {
+				name string
+				req  *csi.GetMetadataAllocatedRequest
+				want codes.Code
+			}{
+				{"no snapshot id", &csi.GetMetadataAllocatedRequest{}, codes.InvalidArgument},
+				{"an unknown snapshot", &csi.GetMetadataAllocatedRequest{SnapshotId: unknown}, codes.NotFound},
+				{"not a snapshot id", &csi.GetMetadataAllocatedRequest{SnapshotId: volID}, codes.NotFound},
+				{"a negative offset", &csi.GetMetadataAllocatedRequest{SnapshotId: base, StartingOffset: -1}, codes.OutOfRange},
+				{"an offset past the end", &csi.GetMetadataAllocatedRequest{SnapshotId: base, StartingOffset: volumeSize + 1}, codes.OutOfRange},
+				{"negative max_results", &csi.GetMetadataAllocatedRequest{SnapshotId: base, MaxResults: -1}, codes.InvalidArgument},
+			} {
+				_, _, err := allocated(tc.req)
+				wantCode(t, "allocated: "+tc.name, err, tc.want)
+			}
+			for _, tc := range []struct {
+				name string
+				req  *csi.GetMetadataDeltaRequest
+				want codes.Code
+			}{
+				{"no base", &csi.GetMetadataDeltaRequest{TargetSnapshotId: target}, codes.InvalidArgument},
+				{"no target", &csi.GetMetadataDeltaRequest{BaseSnapshotId: base}, codes.InvalidArgument},
+				{"an unknown base", &csi.GetMetadataDeltaRequest{BaseSnapshotId: unknown, TargetSnapshotId: target}, codes.NotFound},
+				{"snapshots of two volumes", &csi.GetMetadataDeltaRequest{BaseSnapshotId: ofOther, TargetSnapshotId: target}, codes.InvalidArgument},
+				{"one snapshot twice", &csi.GetMetadataDeltaRequest{BaseSnapshotId: target, TargetSnapshotId: target}, codes.InvalidArgument},
+				{"an offset past the end", &csi.GetMetadataDeltaRequest{BaseSnapshotId: base, TargetSnapshotId: target, StartingOffset: volumeSize + 1},
+					codes.OutOfRange},
+			} {
+				_, _, err := delta(tc.req)
+				wantCode(t, "delta: "+tc.name, err, tc.want)
+			}
+		})
 	}
 }
 

@@ -73,6 +73,7 @@ func (d *Driver) StartTerm(ctx context.Context) error {
 	d.standbyReady = true
 	d.termMu.Unlock()
 	d.setMetricSources()
+	d.cfg.Metrics.SetControllerActive(true)
 	klog.InfoS("Acting controller: serving Controller calls")
 	return nil
 }
@@ -88,6 +89,7 @@ func (d *Driver) EndTerm(why string) bool {
 	d.termGen++
 	d.termMu.Unlock()
 	d.WaitingFor("this controller is standby: " + why)
+	d.cfg.Metrics.SetControllerActive(false)
 	if t == nil {
 		return true
 	}

@@ -42,6 +42,9 @@ type Lease struct {
 	Epoch  uint64
 	// ExpiresIn is how long the holder's term lasts without a renewal.
 	ExpiresIn time.Duration
+	// Peer is where the holder takes the calls other controllers forward
+	// to it (empty: it takes none).
+	Peer string
 }
 
 // Target is one storage target's lease, as a controller sees it.
@@ -142,8 +145,10 @@ type Elector struct {
 	nextPoll time.Time
 	waiting  string
 	// otherActs is whether a standby's last poll found another
-	// controller holding a lease.
-	otherActs bool
+	// controller holding a lease, and actingPeer where that controller
+	// takes forwarded calls (from the lease of the highest epoch).
+	otherActs  bool
+	actingPeer string
 }
 
 // New prepares an election; Run or Tick drive it.
@@ -212,6 +217,41 @@ func (e *Elector) OtherActs() bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return !e.active && e.otherActs
+}
+
+// ActingPeer answers where the acting controller takes forwarded calls, as
+// this standby's last poll of the leases found it, or why it knows none.
+func (e *Elector) ActingPeer() (string, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	switch {
+	case e.active:
+		return "", fmt.Errorf("this controller is the acting one")
+	case !e.otherActs:
+		why := e.waiting
+		if why == "" {
+			why = "it has not read the storage targets' leases yet"
+		}
+		return "", fmt.Errorf("no other controller is known to act: %s", why)
+	case e.actingPeer == "":
+		return "", fmt.Errorf("the acting controller takes no forwarded calls (it was started without --controller-peer-listen)")
+	}
+	return e.actingPeer, nil
+}
+
+// actingPeer is the peer of the live lease of the highest epoch among
+// those read: when two controllers show as holders (one whose lease is
+// about to run out), the later term's.
+func actingPeer(targets []Target, leases []readResult) string {
+	var peer string
+	var best uint64
+	for i := range targets {
+		l := leases[i].lease
+		if leases[i].err == nil && l.Holder != "" && l.ExpiresIn > 0 && l.Epoch >= best {
+			peer, best = l.Peer, l.Epoch
+		}
+	}
+	return peer
 }
 
 // tick is how often Run lets Tick look at what is due: well under every
@@ -287,7 +327,7 @@ func (e *Elector) tryToAct(ctx context.Context) {
 	e.mu.Unlock()
 	leases := e.readLeases(ctx)
 	e.mu.Lock()
-	e.otherActs = false
+	e.otherActs, e.actingPeer = false, ""
 	e.mu.Unlock()
 	var readable []Target
 	var unreadable []string
@@ -299,7 +339,7 @@ func (e *Elector) tryToAct(ctx context.Context) {
 		}
 		if r.lease.Holder != "" && r.lease.Holder != e.cfg.Holder && r.lease.ExpiresIn > 0 {
 			e.mu.Lock()
-			e.otherActs = true
+			e.otherActs, e.actingPeer = true, actingPeer(e.cfg.Targets, leases)
 			e.mu.Unlock()
 			e.setWaiting(fmt.Sprintf("another controller holds storage target %s: %s (epoch %d)", t.Name(), r.lease.Holder, r.lease.Epoch))
 			return

@@ -77,6 +77,8 @@ type Metrics struct {
 	refused          *prometheus.CounterVec
 	nfsControlErrors *prometheus.CounterVec
 	nfsPauses        *prometheus.HistogramVec
+	controllerActive prometheus.Gauge
+	forwarded        *prometheus.CounterVec
 	state            *stateCollector
 }
 
@@ -114,6 +116,14 @@ func New(version string, roles []string) *Metrics {
 			// largest allowed values (under the 20 s lease).
 			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20},
 		}, []string{"outcome"}),
+		controllerActive: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "controller_active",
+			Help: "1 while this controller is the acting one (it holds every storage target's lease and serves Controller calls), 0 while it stands by.",
+		}),
+		forwarded: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "controller_forwarded_total",
+			Help: "Controller calls this standby forwarded to the acting controller, by method and the gRPC status code answered.",
+		}, []string{"method", "code"}),
 		state: newStateCollector(),
 	}
 	buildInfo := prometheus.NewGauge(prometheus.GaugeOpts{
@@ -126,7 +136,7 @@ func New(version string, roles []string) *Metrics {
 		buildInfo,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		m.requests, m.durations, m.refused, m.nfsControlErrors, m.nfsPauses, m.state,
+		m.requests, m.durations, m.refused, m.nfsControlErrors, m.nfsPauses, m.controllerActive, m.forwarded, m.state,
 	)
 	return m
 }
@@ -227,6 +237,29 @@ func (m *Metrics) NFSPaused(took time.Duration, outcome string) {
 		return
 	}
 	m.nfsPauses.WithLabelValues(outcome).Observe(took.Seconds())
+}
+
+// SetControllerActive records whether this controller acts. A nil
+// Metrics records nothing.
+func (m *Metrics) SetControllerActive(active bool) {
+	if m == nil {
+		return
+	}
+	v := 0.0
+	if active {
+		v = 1
+	}
+	m.controllerActive.Set(v)
+}
+
+// Forwarded counts one Controller call forwarded to the acting controller,
+// by its full method name, with the code it was answered. A nil Metrics
+// counts nothing.
+func (m *Metrics) Forwarded(method string, code codes.Code) {
+	if m == nil {
+		return
+	}
+	m.forwarded.WithLabelValues(shortMethod(method), code.String()).Inc()
 }
 
 // ObserveRequest records one served CSI call.

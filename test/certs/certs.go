@@ -77,6 +77,19 @@ func (c *CA) write(name, typ string, der []byte) string {
 // side trusts for the other.
 func (c *CA) Issue(name string, use x509.ExtKeyUsage, peerCA string) Files {
 	c.t.Helper()
+	return c.issue(name, []x509.ExtKeyUsage{use}, peerCA)
+}
+
+// Peer is a certificate for name both for serving and for client
+// authentication, trusting this CA for the other side: what controllers
+// present to each other.
+func (c *CA) Peer(name string) Files {
+	c.t.Helper()
+	return c.issue(name, []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}, c.File)
+}
+
+func (c *CA) issue(name string, uses []x509.ExtKeyUsage, peerCA string) Files {
+	c.t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
 		c.t.Fatal(err)
@@ -84,7 +97,7 @@ func (c *CA) Issue(name string, use x509.ExtKeyUsage, peerCA string) Files {
 	tmpl := &x509.Certificate{
 		SerialNumber: nextSerial(), Subject: pkix.Name{CommonName: name},
 		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{use},
+		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: uses,
 	}
 	if ip := net.ParseIP(name); ip != nil {
 		tmpl.IPAddresses = []net.IP{ip}

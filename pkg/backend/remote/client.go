@@ -30,6 +30,8 @@ type Client struct {
 	// termEpoch, set by Elected, answers the epoch a call is sent under,
 	// or why this controller may not act on the target now.
 	termEpoch func(target string) (uint64, error)
+	// peer is where this controller takes forwarded calls (Elected).
+	peer string
 }
 
 var _ backend.Controller = (*Client)(nil)

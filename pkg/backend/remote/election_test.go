@@ -36,7 +36,7 @@ func electOver(t *testing.T, holder string, clk *clocktesting.FakeClock, addrs .
 		t.Fatal(err)
 	}
 	for _, c := range ec.clients {
-		c.Elected(holder, el.Epoch)
+		c.Elected(holder, "", el.Epoch)
 	}
 	ec.el = el
 	return ec

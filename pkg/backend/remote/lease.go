@@ -461,7 +461,7 @@ func (c *Client) Hold(ctx context.Context, holder string, waiting func(string)) 
 // leaseRequest is the client's request naming epoch; a target of lease
 // version 1 takes no epoch.
 func (c *Client) leaseRequest(epoch uint64) leaseRequest {
-	r := leaseRequest{Holder: c.holder}
+	r := leaseRequest{Holder: c.holder, Peer: c.peer}
 	if c.info.LeaseVersion >= leaseVersion {
 		r.Epoch = &epoch
 	}
@@ -510,8 +510,11 @@ func (c *Client) renew(ctx context.Context) {
 // controller may not act on the target now, in which case the call is
 // refused without being sent. A refused call is not retried by taking the
 // lease: only the election takes leases.
-func (c *Client) Elected(holder string, epoch func(target string) (uint64, error)) {
-	c.holder, c.termEpoch = holder, epoch
+//
+// peer, when not empty, is where this controller takes the calls other
+// controllers forward to it; it is recorded with the lease it acquires.
+func (c *Client) Elected(holder, peer string, epoch func(target string) (uint64, error)) {
+	c.holder, c.peer, c.termEpoch = holder, peer, epoch
 }
 
 var _ election.Target = (*Client)(nil)
@@ -530,7 +533,7 @@ func (c *Client) ReadLease(ctx context.Context) (election.Lease, error) {
 	if err != nil {
 		return election.Lease{}, err
 	}
-	return election.Lease{Holder: r.Holder, Epoch: r.Epoch, ExpiresIn: time.Duration(r.ExpiresInMillis) * time.Millisecond}, nil
+	return election.Lease{Holder: r.Holder, Epoch: r.Epoch, ExpiresIn: time.Duration(r.ExpiresInMillis) * time.Millisecond, Peer: r.Peer}, nil
 }
 
 // Acquire takes the lease from epoch, as read.

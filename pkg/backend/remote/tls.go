@@ -61,9 +61,38 @@ func (f TLSFiles) clientConfig(serverName string) (*tls.Config, error) {
 // are read at every handshake, so a rotated Secret takes effect at once;
 // files that cannot be read refuse the connection rather than serve
 // without authentication.
-func (f TLSFiles) ServerConfig() (*tls.Config, error) {
+func (f TLSFiles) ServerConfig() (*tls.Config, error) { return f.ServerConfigNaming("") }
+
+// ClientConfig is the controller's side towards another server of the
+// same CA: its certificate, and the CA that must have signed the server's
+// for serverName.
+func (f TLSFiles) ClientConfig(serverName string) (*tls.Config, error) {
+	cfg, err := f.clientConfig(serverName)
+	if err != nil {
+		return nil, err
+	}
+	cfg.NextProtos = []string{"h2"}
+	return cfg, nil
+}
+
+// ServerConfigNaming is ServerConfig that also requires the client's
+// certificate to name clientName (none: any name), so that of the
+// certificates one CA signs only those made for this service get in.
+func (f TLSFiles) ServerConfigNaming(clientName string) (*tls.Config, error) {
 	if _, _, err := f.load(); err != nil {
 		return nil, err
+	}
+	var verify func(tls.ConnectionState) error
+	if clientName != "" {
+		verify = func(cs tls.ConnectionState) error {
+			if len(cs.PeerCertificates) == 0 {
+				return fmt.Errorf("no client certificate")
+			}
+			if err := cs.PeerCertificates[0].VerifyHostname(clientName); err != nil {
+				return fmt.Errorf("the client's certificate is not one for %s: %w", clientName, err)
+			}
+			return nil
+		}
 	}
 	return &tls.Config{
 		MinVersion: tls.VersionTLS13,
@@ -73,11 +102,12 @@ func (f TLSFiles) ServerConfig() (*tls.Config, error) {
 				return nil, err
 			}
 			return &tls.Config{
-				MinVersion:   tls.VersionTLS13,
-				Certificates: []tls.Certificate{cert},
-				ClientCAs:    pool,
-				ClientAuth:   tls.RequireAndVerifyClientCert,
-				NextProtos:   []string{"h2", "http/1.1"},
+				MinVersion:       tls.VersionTLS13,
+				Certificates:     []tls.Certificate{cert},
+				ClientCAs:        pool,
+				ClientAuth:       tls.RequireAndVerifyClientCert,
+				NextProtos:       []string{"h2", "http/1.1"},
+				VerifyConnection: verify,
 			}, nil
 		},
 	}, nil

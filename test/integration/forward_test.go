@@ -1,0 +1,109 @@
+package integration
+
+import (
+	"context"
+	"net"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/modeguard/modeguard/pkg/accessmode"
+	"github.com/modeguard/modeguard/pkg/peer"
+	"github.com/modeguard/modeguard/test/certs"
+	"github.com/modeguard/modeguard/test/testenv"
+)
+
+// freePort is a loopback address:port nothing listens on now.
+func freePort(t *testing.T) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lis.Close()
+	return lis.Addr().String()
+}
+
+// TestStandbyForwardsToTheActingController: two controllers of one
+// storage target, each with a peer listener. The standby is ready and
+// serves every call by forwarding it to the acting one, which it finds in
+// the target's lease. When the acting one dies the standby takes over, and
+// the first, started again, is the standby that forwards.
+func TestStandbyForwardsToTheActingController(t *testing.T) {
+	t.Parallel()
+	testenv.RequireRoot(t)
+	bin := testenv.BuildBinary(t)
+	work := t.TempDir()
+	sock := filepath.Join(work, "target.sock")
+	t.Cleanup(startTarget(t, bin, work, sock))
+	ca := certs.NewCA(t, "controllers")
+	controller := func(name string) *crashProc {
+		files := ca.Peer(peer.ServerName)
+		p := &crashProc{t: t, name: name, bin: bin, socket: filepath.Join(work, name+".sock"), log: filepath.Join(work, name+".log"),
+			args: []string{"--roles", "controller", "-v", "2", "--block-target=zone-a=unix://" + sock,
+				"--controller-peer-listen=tcp://" + freePort(t), "--tls-cert=" + files.Cert, "--tls-key=" + files.Key, "--tls-ca=" + files.CA}}
+		p.start()
+		t.Cleanup(func() {
+			p.stop()
+			if t.Failed() {
+				t.Logf("%s log:\n%s", name, testenv.ReadFile(p.log))
+			}
+		})
+		return p
+	}
+	ctx := context.Background()
+	c := capability(accessmode.SingleNodeWriter, "")
+	create := func(p *crashProc, name string) (string, error) {
+		resp, err := csi.NewControllerClient(p.conn).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name,
+			CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}, VolumeCapabilities: []*csi.VolumeCapability{c}})
+		return resp.GetVolume().GetVolumeId(), err
+	}
+
+	first := controller("first")
+	second := controller("second")
+	id, err := create(second, "through-the-standby")
+	if err != nil {
+		t.Fatalf("CreateVolume through the standby: %v", err)
+	}
+	if !strings.Contains(testenv.ReadFile(first.log), "through-the-standby") {
+		t.Errorf("the acting controller's log does not show the forwarded CreateVolume")
+	}
+	_, err = csi.NewControllerClient(second.conn).ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-1@zone-a", VolumeCapability: c})
+	if err != nil {
+		t.Fatalf("publish through the standby: %v", err)
+	}
+	_, err = csi.NewControllerClient(second.conn).ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-2@zone-a", VolumeCapability: c})
+	if status.Code(err) != codes.FailedPrecondition {
+		t.Errorf("publish to a second node through the standby: %v, want the acting controller's FAILED_PRECONDITION", err)
+	}
+
+	// The acting one dies; the standby takes over once the lease ran out,
+	// and serves calls itself.
+	_ = first.cmd.Process.Signal(syscall.SIGKILL)
+	<-first.done
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(200 * time.Millisecond) {
+		if _, err = create(second, "after-the-first-died"); status.Code(err) != codes.Unavailable {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the standby did not take over: %v", err)
+		}
+	}
+	if err != nil {
+		t.Fatalf("CreateVolume through the controller that took over: %v", err)
+	}
+	// The first, back, stands by and forwards.
+	first.start()
+	if _, err := create(first, "through-the-new-standby"); err != nil {
+		t.Fatalf("CreateVolume through the restarted first controller: %v", err)
+	}
+	if !strings.Contains(testenv.ReadFile(second.log), "through-the-new-standby") {
+		t.Errorf("the acting controller's log does not show the call forwarded by the new standby")
+	}
+}
