@@ -56,6 +56,21 @@ func servePeers(t *testing.T, d *driver.Driver, files certs.Files) string {
 	return lis.Addr().String()
 }
 
+// actingController is an elected controller in a term on an in-memory
+// backend, with its peer listener served with a certificate of ca.
+func actingController(t *testing.T, ca *certs.CA) (*memory.Controller, *driver.Driver, string) {
+	t.Helper()
+	ctrl, err := memory.New(memory.Config{Pools: []memory.Pool{{Zone: "zone-a", SizeBytes: 1 << 30}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	acting := electedDriver(t, ctrl, nil)
+	if err := acting.StartTerm(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return ctrl, acting, servePeers(t, acting, ca.Peer(peer.ServerName))
+}
+
 // at is a peer.Dialer that finds the acting controller at addr.
 func at(t *testing.T, files certs.Files, addr string) *peer.Dialer {
 	d := peer.NewDialer(remote.TLSFiles(files), func() (string, error) { return addr, nil })
@@ -70,15 +85,7 @@ func at(t *testing.T, files certs.Files, addr string) *peer.Dialer {
 // longer acts is refused there, never forwarded again.
 func TestStandbyForwardsToTheActingController(t *testing.T) {
 	ca := certs.NewCA(t, "controllers")
-	ctrl, err := memory.New(memory.Config{Pools: []memory.Pool{{Zone: "zone-a", SizeBytes: 1 << 30}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	acting := electedDriver(t, ctrl, nil)
-	if err := acting.StartTerm(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	addr := servePeers(t, acting, ca.Peer(peer.ServerName))
+	ctrl, acting, addr := actingController(t, ca)
 	m := metrics.New("test", []string{"controller"})
 	standby := electedDriver(t, ctrl, m)
 	standby.StandBy("another controller holds storage target t1", true)
@@ -145,15 +152,7 @@ func TestStandbyForwardsToTheActingController(t *testing.T) {
 // serves only the controller-side services.
 func TestPeerListenerRefusesStrangers(t *testing.T) {
 	ca := certs.NewCA(t, "controllers")
-	ctrl, err := memory.New(memory.Config{Pools: []memory.Pool{{Zone: "zone-a", SizeBytes: 1 << 30}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	acting := electedDriver(t, ctrl, nil)
-	if err := acting.StartTerm(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	addr := servePeers(t, acting, ca.Peer(peer.ServerName))
+	ctrl, _, addr := actingController(t, ca)
 	call := func(files certs.Files, serverName string) error {
 		cfg, err := remote.TLSFiles(files).ClientConfig(serverName)
 		if err != nil {
@@ -192,7 +191,7 @@ func TestPeerListenerRefusesStrangers(t *testing.T) {
 	standby := electedDriver(t, ctrl, nil)
 	standby.StandBy("another controller acts", true)
 	standby.SetPeers(at(t, ca.Peer(peer.ServerName), impostorAddr))
-	_, err = csi.NewControllerClient(serveDriver(t, standby)).ListVolumes(context.Background(), &csi.ListVolumesRequest{})
+	_, err := csi.NewControllerClient(serveDriver(t, standby)).ListVolumes(context.Background(), &csi.ListVolumesRequest{})
 	if status.Code(err) != codes.Unavailable {
 		t.Errorf("forwarding to a listener with a certificate that is not a controller's: %v, want UNAVAILABLE", err)
 	}

@@ -12,7 +12,6 @@ package peer
 
 import (
 	"context"
-	"crypto/tls"
 	"fmt"
 	"net"
 	"strings"
@@ -86,25 +85,11 @@ func (d *Dialer) Acting(context.Context) (grpc.ClientConnInterface, string, erro
 		return c, addr, nil
 	}
 	files := d.files
-	// The files are read at every new connection, so a rotated Secret
-	// takes effect without a restart; the TLS is done here so that the
-	// name checked is ServerName whatever address is dialed.
+	// The TLS is done here so that the name checked is ServerName
+	// whatever address is dialed.
 	dial := func(ctx context.Context, addr string) (net.Conn, error) {
-		cfg, err := files.ClientConfig(ServerName)
-		if err != nil {
-			return nil, err
-		}
 		var nd net.Dialer
-		raw, err := nd.DialContext(ctx, "tcp", addr)
-		if err != nil {
-			return nil, err
-		}
-		conn := tls.Client(raw, cfg)
-		if err := conn.HandshakeContext(ctx); err != nil {
-			raw.Close()
-			return nil, err
-		}
-		return conn, nil
+		return files.DialTLS(ctx, nd.DialContext, "tcp", addr, ServerName, []string{"h2"})
 	}
 	c, err := grpc.NewClient("passthrough:///"+addr, grpc.WithContextDialer(dial),
 		// Secured by the dialer's TLS above.

@@ -2,7 +2,6 @@ package remote
 
 import (
 	"context"
-	"crypto/tls"
 	"fmt"
 	"net"
 	"net/http"
@@ -79,23 +78,8 @@ func Dial(ctx context.Context, t Target) (*Client, error) {
 			return nil, fmt.Errorf("storage target %s: %w", t.Address, err)
 		}
 		files := t.TLS
-		// A new connection reads the files again: a rotated certificate
-		// takes effect without a restart.
 		transport.DialTLSContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
-			cfg, err := files.clientConfig(host)
-			if err != nil {
-				return nil, err
-			}
-			raw, err := dial(ctx, network, addr)
-			if err != nil {
-				return nil, err
-			}
-			conn := tls.Client(raw, cfg)
-			if err := conn.HandshakeContext(ctx); err != nil {
-				raw.Close()
-				return nil, err
-			}
-			return conn, nil
+			return files.DialTLS(ctx, dial, network, addr, host, nil)
 		}
 		c.base = "https://" + t.Address
 	}

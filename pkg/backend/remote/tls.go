@@ -1,9 +1,11 @@
 package remote
 
 import (
+	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"fmt"
+	"net"
 	"os"
 )
 
@@ -111,4 +113,27 @@ func (f TLSFiles) ServerConfigNaming(clientName string) (*tls.Config, error) {
 			}, nil
 		},
 	}, nil
+}
+
+// DialTLS makes a connection with dial and does the client's side of
+// mutual TLS over it, checking the server's certificate for serverName. The
+// files are read at every connection, so a rotated certificate takes effect
+// without a restart; nextProtos is the ALPN offered (nil: none).
+func (f TLSFiles) DialTLS(ctx context.Context, dial func(ctx context.Context, network, addr string) (net.Conn, error),
+	network, addr, serverName string, nextProtos []string) (net.Conn, error) {
+	cfg, err := f.clientConfig(serverName)
+	if err != nil {
+		return nil, err
+	}
+	cfg.NextProtos = nextProtos
+	raw, err := dial(ctx, network, addr)
+	if err != nil {
+		return nil, err
+	}
+	conn := tls.Client(raw, cfg)
+	if err := conn.HandshakeContext(ctx); err != nil {
+		raw.Close()
+		return nil, err
+	}
+	return conn, nil
 }
