@@ -1,7 +1,6 @@
 package nfs
 
 import (
-	"context"
 	"encoding/json"
 	"path/filepath"
 	"strings"
@@ -44,8 +43,7 @@ func TestNodeVMRebootKeepsVolumes(t *testing.T) {
 	testenv.RequireRoot(t)
 	bin := testenv.BuildBinary(t)
 	c := vmtest.Start(t, vmtest.Options{VMs: 1, Binary: bin, NodeDiskMB: 256})
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	t.Cleanup(cancel)
+	ctx := testenv.Context(t, 10*time.Minute)
 	vm := c.VMs[0]
 	// The pool is a host directory; the VM reaches it at the same path
 	// through its 9p root, as nodes reach a zone's shared pool.

@@ -37,8 +37,7 @@ func setup(t *testing.T, vms int) *env {
 	testenv.RequireRoot(t)
 	bin := testenv.BuildBinary(t)
 	c := vmtest.Start(t, vmtest.Options{VMs: vms, Binary: bin})
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	t.Cleanup(cancel)
+	ctx := testenv.Context(t, 10*time.Minute)
 	// With a fence list, for the network fence of TestKernelNFSFenceOfAMountedClient.
 	ctrl := testenv.StartNFSController(ctx, t, bin, c.ServerNS, c.Server.String(), "--max-volumes-per-node", "8",
 		"--fence-file", filepath.Join(t.TempDir(), "fences", "fences.json"))
