@@ -33,6 +33,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/driver"
 	"github.com/modeguard/modeguard/pkg/election"
 	"github.com/modeguard/modeguard/pkg/metrics"
+	"github.com/modeguard/modeguard/pkg/netfence"
 	"github.com/modeguard/modeguard/pkg/nodeid"
 	"github.com/modeguard/modeguard/pkg/peer"
 	"github.com/modeguard/modeguard/pkg/registration"
@@ -446,20 +447,24 @@ func run(o *options) error {
 				}
 			},
 			Waiting: func(why string) { d.StandBy(why, el.OtherActs()) },
+			Retaken: func(target string) { go d.FollowFencesAgain("storage target " + target + " answers again") },
 		}
-		ctrls, elector, stopControllers, err := setupControllers(ctx, o, d.WaitingFor, hooks)
+		setup, err := setupControllers(ctx, o, d.WaitingFor, hooks)
 		if err != nil {
 			srv.Stop()
 			return err
 		}
-		defer stopControllers()
-		if err := d.SetControllers(ctrls); err != nil {
+		defer setup.stop()
+		if setup.fences != nil {
+			d.SetFenceStore(setup.fences)
+		}
+		if err := d.SetControllers(setup.ctrls); err != nil {
 			srv.Stop()
 			return err
 		}
-		klog.InfoS("Controller ready", "backends", len(ctrls), "elected", elector != nil)
-		if elector != nil {
-			el = elector
+		klog.InfoS("Controller ready", "backends", len(setup.ctrls), "elected", setup.elector != nil)
+		if setup.elector != nil {
+			el = setup.elector
 			if o.peerAddress != "" {
 				stopPeers, err := servePeers(o, d, el)
 				if err != nil {
@@ -567,19 +572,28 @@ func lockControllerDirs(ctx context.Context, o *options, d *driver.Driver) (*con
 	return lock, nil
 }
 
-// setupControllers opens the controller's backends; stop undoes what they
-// started (the NFS server).
-func setupControllers(ctx context.Context, o *options, waiting func(string), hooks election.Config) (map[accessmode.Backend]backend.Controller, *election.Elector, func(), error) {
-	ctrls := map[accessmode.Backend]backend.Controller{}
-	stop := func() {}
-	var elector *election.Elector
+// controllerSetup is what the controller role runs on.
+type controllerSetup struct {
+	ctrls map[accessmode.Backend]backend.Controller
+	// elector is the election among controllers, with storage targets;
+	// fences then keeps the network fence list on them.
+	elector *election.Elector
+	fences  netfence.Store
+	// stop undoes what the backends started (the NFS server, the
+	// targets' connections).
+	stop func()
+}
+
+// setupControllers opens the controller's backends.
+func setupControllers(ctx context.Context, o *options, waiting func(string), hooks election.Config) (*controllerSetup, error) {
+	setup := &controllerSetup{ctrls: map[accessmode.Backend]backend.Controller{}, stop: func() {}}
 	if o.nfs.ExportRoot != "" {
 		c, stopNFS, err := nfs.Setup(ctx, o.nfs)
 		if err != nil {
-			return nil, nil, nil, err
+			return nil, err
 		}
-		ctrls[accessmode.BackendNFS] = c
-		stop = stopNFS
+		setup.ctrls[accessmode.BackendNFS] = c
+		setup.stop = stopNFS
 	}
 	var local backend.Controller
 	if pools := controllerPools(o); len(pools) > 0 {
@@ -590,25 +604,32 @@ func setupControllers(ctx context.Context, o *options, waiting func(string), hoo
 		}
 		c, err := block.NewController(pools)
 		if err != nil {
-			stop()
-			return nil, nil, nil, fmt.Errorf("block pools: %w", err)
+			setup.stop()
+			return nil, fmt.Errorf("block pools: %w", err)
 		}
 		local = c
 	}
 	if len(o.targets) > 0 {
-		joined, el, closeTargets, err := dialTargets(ctx, o, local, waiting, hooks)
+		t, err := dialTargets(ctx, o, local, waiting, hooks)
 		if err != nil {
-			stop()
-			return nil, nil, nil, err
+			setup.stop()
+			return nil, err
 		}
-		local, elector = joined, el
-		stopNFS := stop
-		stop = func() { closeTargets(); stopNFS() }
+		local, setup.elector = t.backend, t.elector
+		// The fence list lives on the targets, where every controller
+		// finds it; a --fence-file of an earlier setup is moved there
+		// once.
+		setup.fences = remote.FenceStore(t.clients)
+		if o.fenceFile != "" {
+			setup.fences = netfence.Importing(netfence.FileStore(o.fenceFile), setup.fences)
+		}
+		stopNFS := setup.stop
+		setup.stop = func() { t.close(); stopNFS() }
 	}
 	if local != nil {
-		ctrls[accessmode.BackendBlock] = local
+		setup.ctrls[accessmode.BackendBlock] = local
 	}
-	return ctrls, elector, stop, nil
+	return setup, nil
 }
 
 func main() {

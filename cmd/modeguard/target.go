@@ -198,13 +198,22 @@ func dialTimeout(attempt int) time.Duration {
 	return first << attempt
 }
 
+// targetSet is the controller's storage targets.
+type targetSet struct {
+	// backend joins them with the controller's own block pools.
+	backend backend.Controller
+	clients []*remote.Client
+	elector *election.Elector
+	close   func()
+}
+
 // dialTargets connects to every --block-target and joins them, with the
 // block pools of this process, into the block backend. A target that
 // cannot be reached yet is waited for (saying so): the controller serves
 // no block zone until every one is there, rather than answering for a
 // zone it cannot see. The targets' clients act for the election it
 // answers, which the caller runs once the driver has its backends.
-func dialTargets(ctx context.Context, o *options, local backend.Controller, waiting func(string), hooks election.Config) (backend.Controller, *election.Elector, func(), error) {
+func dialTargets(ctx context.Context, o *options, local backend.Controller, waiting func(string), hooks election.Config) (*targetSet, error) {
 	var parts []backend.Controller
 	if local != nil {
 		parts = append(parts, local)
@@ -230,7 +239,7 @@ func dialTargets(ctx context.Context, o *options, local backend.Controller, wait
 				if got := c.Zones(); len(got) != 1 || got[0] != zone {
 					c.Close()
 					closeAll()
-					return nil, nil, nil, fmt.Errorf("--block-target %s=%s: that target serves zones %v, not %s", zone, addr, got, zone)
+					return nil, fmt.Errorf("--block-target %s=%s: that target serves zones %v, not %s", zone, addr, got, zone)
 				}
 				clients = append(clients, c)
 				parts = append(parts, c)
@@ -242,7 +251,7 @@ func dialTargets(ctx context.Context, o *options, local backend.Controller, wait
 			select {
 			case <-ctx.Done():
 				closeAll()
-				return nil, nil, nil, ctx.Err()
+				return nil, ctx.Err()
 			case <-time.After(2 * time.Second):
 			}
 		}
@@ -265,18 +274,17 @@ func dialTargets(ctx context.Context, o *options, local backend.Controller, wait
 	el, err := election.New(cfg)
 	if err != nil {
 		closeAll()
-		return nil, nil, nil, err
+		return nil, err
 	}
 	for _, c := range clients {
 		c.Elected(leaseHolder, o.peerAddress, el.Epoch)
 	}
-	if len(parts) == 1 {
-		return parts[0], el, closeAll, nil
+	set := &targetSet{backend: parts[0], clients: clients, elector: el, close: closeAll}
+	if len(parts) > 1 {
+		if set.backend, err = zoned.New(parts...); err != nil {
+			closeAll()
+			return nil, err
+		}
 	}
-	joined, err := zoned.New(parts...)
-	if err != nil {
-		closeAll()
-		return nil, nil, nil, err
-	}
-	return joined, el, closeAll, nil
+	return set, nil
 }

@@ -71,7 +71,7 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 	// Until the attachment is recorded, the fence list cannot change.
 	s.d.fenceGate.RLock()
 	defer s.d.fenceGate.RUnlock()
-	fencedBy, err := s.d.fencedBy(node)
+	fencedBy, err := s.d.fencedBy(ctx, node)
 	if err != nil {
 		return nil, err
 	}
@@ -98,7 +98,7 @@ func (s *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 	if !decision.Idempotent {
 		// The others' marks follow the list too, which mends what a
 		// fence pass could not reach.
-		attachments, _, err := s.d.withFences(append(slices.Clone(vol.Attachments), want))
+		attachments, _, err := s.d.withFences(ctx, append(slices.Clone(vol.Attachments), want))
 		if err != nil {
 			return nil, err
 		}
@@ -166,7 +166,7 @@ func (s *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *c
 	defer s.d.fenceGate.RUnlock()
 	keep := slices.DeleteFunc(slices.Clone(vol.Attachments), func(a accessmode.Attachment) bool { return a.Node.Name == key })
 	if len(keep) < len(vol.Attachments) {
-		keep, _, err := s.d.withFences(keep)
+		keep, _, err := s.d.withFences(ctx, keep)
 		if err != nil {
 			return nil, err
 		}

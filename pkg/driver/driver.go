@@ -9,6 +9,7 @@ package driver
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -86,6 +87,10 @@ type Config struct {
 	// (csi-addons NetworkFence), opened with its backends; empty: it
 	// keeps none, and refuses the NetworkFence calls.
 	FenceFile string
+	// FenceStore, when set, keeps the network fences instead of
+	// FenceFile: on the storage targets, where every controller finds
+	// them.
+	FenceStore netfence.Store
 	// Elected says the controller acts only during the terms an election
 	// gives it (StartTerm, EndTerm), on backends set by SetControllers
 	// (with ControllersLater). Between terms it is standby: it answers
@@ -132,6 +137,10 @@ type Driver struct {
 	termGen uint64
 	// peers finds the acting controller for a standby (forward.go).
 	peers atomic.Pointer[Peers]
+	// fencesBehind says the fence list is not known to be stored
+	// everywhere it is kept, or not every volume follows it yet: an
+	// elected controller tries again while it acts (term.go).
+	fencesBehind atomic.Bool
 }
 
 // New checks the configuration and prepares a driver.
@@ -187,7 +196,7 @@ func New(cfg Config) (*Driver, error) {
 		d.cfg.Controllers = nil
 		d.WaitingFor("the controller's backends are being set up")
 	} else if d.HasRole(RoleController) {
-		if err := d.openFences(cfg.Controllers); err != nil {
+		if err := d.openFences(context.Background(), cfg.Controllers); err != nil {
 			return nil, err
 		}
 		d.followFencesAtStart()
@@ -238,7 +247,7 @@ func (d *Driver) SetControllers(c map[accessmode.Backend]backend.Controller) err
 		d.setMetricSources()
 		return nil
 	}
-	if err := d.openFences(c); err != nil {
+	if err := d.openFences(context.Background(), c); err != nil {
 		return err
 	}
 	d.cfg.Controllers = c
@@ -251,20 +260,36 @@ func (d *Driver) SetControllers(c map[accessmode.Backend]backend.Controller) err
 
 // openFences reads the network fences the controller keeps, if any, and
 // rebuilds a lost list from the attachments its backends mark fenced.
-func (d *Driver) openFences(ctrls map[accessmode.Backend]backend.Controller) error {
-	if d.cfg.FenceFile == "" {
+func (d *Driver) openFences(ctx context.Context, ctrls map[accessmode.Backend]backend.Controller) error {
+	store := d.fenceStore()
+	if store == nil {
 		return nil
 	}
-	l, err := netfence.Open(d.cfg.FenceFile)
-	if err != nil {
+	l, err := netfence.OpenStore(ctx, store)
+	if errors.Is(err, netfence.ErrPartlyStored) {
+		klog.InfoS("The network fence list is not known to be everywhere it is kept; trying again while acting", "err", err)
+		d.fencesBehind.Store(true)
+	} else if err != nil {
 		return err
 	}
 	d.fences = l
-	if err := d.recoverFences(ctrls); err != nil {
+	if err := d.recoverFences(ctx, ctrls); err != nil {
 		return err
 	}
 	if fences := l.Fences(); len(fences) > 0 {
-		klog.InfoS("Network fences in force", "cidrs", netfence.Blocks(fences), "file", d.cfg.FenceFile)
+		klog.InfoS("Network fences in force", "cidrs", netfence.Blocks(fences), "where", l.Where())
+	}
+	return nil
+}
+
+// fenceStore is where the controller keeps its network fences (nil: it
+// keeps none).
+func (d *Driver) fenceStore() netfence.Store {
+	switch {
+	case d.cfg.FenceStore != nil:
+		return d.cfg.FenceStore
+	case d.cfg.FenceFile != "":
+		return netfence.FileStore(d.cfg.FenceFile)
 	}
 	return nil
 }

@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"net/netip"
@@ -44,18 +45,18 @@ import (
 // served or attached again until an operator lifts it; the first
 // FenceClusterNetwork or UnfenceClusterNetwork then sets the list right.
 // It runs before the controller takes calls.
-func (d *Driver) recoverFences(ctrls map[accessmode.Backend]backend.Controller) error {
+func (d *Driver) recoverFences(ctx context.Context, ctrls map[accessmode.Backend]backend.Controller) error {
 	if d.fences == nil || !d.fences.Missing() {
 		return nil
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	var nodes []nodeid.Node
 	var blocks []netip.Prefix
 	for _, b := range slices.Sorted(maps.Keys(ctrls)) {
 		vols, err := ctrls[b].ListVolumes(ctx)
 		if err != nil {
-			return fmt.Errorf("the network fence list %s is missing, and the %s volumes cannot be read to see whether fences are in force: %w", d.cfg.FenceFile, b, err)
+			return fmt.Errorf("the network fence list %s is missing, and the %s volumes cannot be read to see whether fences are in force: %w", d.fences.Where(), b, err)
 		}
 		for _, v := range vols {
 			for _, a := range v.Attachments {
@@ -65,7 +66,7 @@ func (d *Driver) recoverFences(ctrls map[accessmode.Backend]backend.Controller) 
 				n := a.Node
 				if n.Address == "" {
 					return fmt.Errorf("the network fence list %s is missing, and node %s is fenced from volume %s under an id without an address, so its fence cannot be rebuilt: put the list back, or unpublish the volume from that node",
-						d.cfg.FenceFile, n.Name, v.ID)
+						d.fences.Where(), n.Name, v.ID)
 				}
 				nodes = append(nodes, n)
 				blocks = append(blocks, netfence.Single(netip.MustParseAddr(n.Address)))
@@ -75,16 +76,16 @@ func (d *Driver) recoverFences(ctrls map[accessmode.Backend]backend.Controller) 
 	if len(nodes) == 0 {
 		return nil
 	}
-	if err := d.fences.Add(blocks, time.Now()); err != nil {
+	if err := d.fences.Add(ctx, blocks, time.Now()); err != nil {
 		return err
 	}
 	for _, n := range nodes {
-		if _, err := d.fences.Catch(n); err != nil {
+		if _, err := d.fences.Catch(ctx, n); err != nil {
 			return err
 		}
 	}
 	klog.InfoS("The network fence list was missing while nodes were fenced: rebuilt from the fenced attachments, one address per node; lift what should not be fenced",
-		"file", d.cfg.FenceFile, "cidrs", prefixList(blocks))
+		"where", d.fences.Where(), "cidrs", prefixList(blocks))
 	return nil
 }
 
@@ -114,15 +115,24 @@ func (d *Driver) followFencesAtStart() {
 
 // fencedBy returns the fenced blocks that hold node (none without a fence
 // list), recording the node in those that hold its address.
-func (d *Driver) fencedBy(node nodeid.Node) ([]netip.Prefix, error) {
+func (d *Driver) fencedBy(ctx context.Context, node nodeid.Node) ([]netip.Prefix, error) {
 	if d.fences == nil {
 		return nil, nil
 	}
-	by, err := d.fences.Catch(node)
+	by, err := d.fences.Catch(ctx, node)
 	if err != nil {
-		return nil, status.Error(codes.Internal, err.Error())
+		return nil, statusOf(err, codes.Internal)
 	}
 	return by, nil
+}
+
+// statusOf is err with its gRPC code when it has one (a storage target's
+// answer), else with code.
+func statusOf(err error, code codes.Code) error {
+	if _, ok := status.FromError(err); ok {
+		return err
+	}
+	return status.Error(code, err.Error())
 }
 
 // fenceBlocks is every fenced block, none without a fence list.
@@ -136,12 +146,12 @@ func (d *Driver) fenceBlocks() []string {
 // withFences returns attachments with each one's fenced flag as the fence
 // list has it now, and the nodes among them that report no address while
 // fences are in force.
-func (d *Driver) withFences(attachments []accessmode.Attachment) ([]accessmode.Attachment, []string, error) {
+func (d *Driver) withFences(ctx context.Context, attachments []accessmode.Attachment) ([]accessmode.Attachment, []string, error) {
 	out := slices.Clone(attachments)
 	anyFence := d.fences != nil && len(d.fences.Fences()) > 0
 	var undecided []string
 	for i, a := range out {
-		by, err := d.fencedBy(a.Node)
+		by, err := d.fencedBy(ctx, a.Node)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -160,6 +170,7 @@ func (d *Driver) withFences(attachments []accessmode.Attachment) ([]accessmode.A
 func (d *Driver) applyFences(ctx context.Context) ([]string, error) {
 	all, err := d.allVolumes(ctx)
 	if err != nil {
+		d.fencesBehind.Store(true)
 		return nil, err
 	}
 	var failed []string
@@ -181,6 +192,7 @@ func (d *Driver) applyFences(ctx context.Context) ([]string, error) {
 		}
 	}
 	if len(failed) > 0 {
+		d.fencesBehind.Store(true)
 		return nil, status.Errorf(code, "the fence list is recorded, but %d volume(s) do not follow it yet: %s", len(failed), strings.Join(failed, "; "))
 	}
 	return slices.Sorted(maps.Keys(undecided)), nil
@@ -204,7 +216,7 @@ func (d *Driver) refence(ctx context.Context, raw string) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	want, undecided, err := d.withFences(v.Attachments)
+	want, undecided, err := d.withFences(ctx, v.Attachments)
 	if err != nil {
 		return nil, err
 	}
@@ -320,16 +332,23 @@ func (s *fenceServer) FenceClusterNetwork(ctx context.Context, req *fence.FenceC
 		return nil, err
 	}
 	s.d.fenceGate.Lock()
-	err = s.d.fences.Add(blocks, time.Now())
+	stored := s.d.fences.Add(ctx, blocks, time.Now())
 	s.d.fenceGate.Unlock()
-	if err != nil {
-		return nil, status.Error(codes.Internal, err.Error())
+	if stored != nil && !errors.Is(stored, netfence.ErrPartlyStored) {
+		return nil, statusOf(stored, codes.Internal)
 	}
-	klog.InfoS("Network fence recorded", "cidrs", prefixList(blocks))
+	d := s.d
+	d.fencesBehind.Store(d.fencesBehind.Load() || stored != nil)
+	klog.InfoS("Network fence recorded", "cidrs", prefixList(blocks), "err", stored)
 	fpFenceListWritten.Hit()
+	// A fence stored in some places is in force: it is applied as far as
+	// it can be, and the call fails for the CO to repeat it.
 	undecided, err := s.d.applyFences(ctx)
 	if err != nil {
 		return nil, err
+	}
+	if stored != nil {
+		return nil, status.Errorf(codes.Unavailable, "the fence on %s is in force, but %v; call again", prefixList(blocks), stored)
 	}
 	if len(undecided) > 0 {
 		return nil, status.Errorf(codes.FailedPrecondition,
@@ -345,15 +364,20 @@ func (s *fenceServer) UnfenceClusterNetwork(ctx context.Context, req *fence.Unfe
 		return nil, err
 	}
 	s.d.fenceGate.Lock()
-	err = s.d.fences.Remove(blocks)
+	stored := s.d.fences.Remove(ctx, blocks)
 	s.d.fenceGate.Unlock()
-	if err != nil {
-		return nil, status.Error(codes.Internal, err.Error())
+	if stored != nil && !errors.Is(stored, netfence.ErrPartlyStored) {
+		return nil, statusOf(stored, codes.Internal)
 	}
-	klog.InfoS("Network fence lifted", "cidrs", prefixList(blocks))
+	d := s.d
+	d.fencesBehind.Store(d.fencesBehind.Load() || stored != nil)
+	klog.InfoS("Network fence lifted", "cidrs", prefixList(blocks), "err", stored)
 	fpFenceListWritten.Hit()
 	if _, err := s.d.applyFences(ctx); err != nil {
 		return nil, err
+	}
+	if stored != nil {
+		return nil, status.Errorf(codes.Unavailable, "the fence on %s is lifted, but %v; call again", prefixList(blocks), stored)
 	}
 	return &fence.UnfenceClusterNetworkResponse{}, nil
 }
@@ -428,7 +452,7 @@ func (s *addonsIdentityServer) GetCapabilities(context.Context, *identity.GetCap
 	caps = append(caps, &identity.Capability{Type: &identity.Capability_NetworkFence_{NetworkFence: &identity.Capability_NetworkFence{
 		Type: identity.Capability_NetworkFence_GET_CLIENTS_TO_FENCE,
 	}}})
-	if s.d.cfg.FenceFile != "" {
+	if s.d.fenceStore() != nil {
 		caps = append(caps, &identity.Capability{Type: &identity.Capability_NetworkFence_{NetworkFence: &identity.Capability_NetworkFence{
 			Type: identity.Capability_NetworkFence_NETWORK_FENCE,
 		}}})

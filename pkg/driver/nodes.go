@@ -110,7 +110,7 @@ func heldZones(key string, held []*backend.Volume) []accessmode.HeldVolume {
 func (d *Driver) followNode(ctx context.Context, node nodeid.Node, held []*backend.Volume, current string) (*backend.Volume, error) {
 	id := node.String()
 	// A node that moved into a fenced block is fenced wherever it follows.
-	fenced, err := d.fencedBy(node)
+	fenced, err := d.fencedBy(ctx, node)
 	if err != nil {
 		return nil, err
 	}

@@ -11,6 +11,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
+
+	"github.com/modeguard/modeguard/pkg/netfence"
 )
 
 // An elected controller (Config.Elected) acts only during a term: from
@@ -57,7 +59,7 @@ func (d *Driver) StartTerm(ctx context.Context) error {
 	d.termMu.Unlock()
 	t := &term{}
 	t.ctx, t.cancel = context.WithCancelCause(context.WithoutCancel(ctx))
-	if err := d.openFences(d.cfg.Controllers); err != nil {
+	if err := d.openFences(t.ctx, d.cfg.Controllers); err != nil {
 		t.cancel(err)
 		return fmt.Errorf("starting a term: %w", err)
 	}
@@ -72,6 +74,7 @@ func (d *Driver) StartTerm(ctx context.Context) error {
 	d.term = t
 	d.standbyReady = true
 	d.termMu.Unlock()
+	go d.keepFencesFollowed(t.ctx)
 	d.setMetricSources()
 	d.cfg.Metrics.SetControllerActive(true)
 	klog.InfoS("Acting controller: serving Controller calls")
@@ -105,6 +108,69 @@ func (d *Driver) EndTerm(why string) bool {
 		return false
 	}
 }
+
+// FollowFencesAgain reads the network fence list again (bringing the
+// places that were behind up to date) and makes every volume follow it: a
+// storage target that was away during a fence, and is acted on again, may
+// still serve a node the fence covers. It runs as a call of the term, and
+// does nothing outside one.
+func (d *Driver) FollowFencesAgain(why string) {
+	ctx, leave, err := d.enterTerm(context.Background())
+	if err != nil {
+		return
+	}
+	defer leave()
+	if d.fences == nil {
+		return
+	}
+	d.fenceGate.Lock()
+	err = d.fences.Reload(ctx)
+	d.fenceGate.Unlock()
+	if errors.Is(err, netfence.ErrPartlyStored) {
+		d.fencesBehind.Store(true)
+		klog.InfoS("The network fence list is not yet everywhere it is kept", "why", why, "err", err)
+	} else if err != nil {
+		d.fencesBehind.Store(true)
+		klog.ErrorS(err, "Reading the network fence list again", "why", why)
+		return
+	}
+	undecided, err := d.applyFences(ctx)
+	if err != nil {
+		klog.ErrorS(err, "Not every volume follows the network fence list yet; the next fence call, or a publish or unpublish of the volume, tries again", "why", why)
+	}
+	if len(undecided) > 0 {
+		klog.InfoS("Network fences are in force and nodes that hold volumes report no address", "nodes", undecided)
+	}
+	klog.InfoS("Volumes follow the network fence list again", "why", why)
+}
+
+// followFencesEvery is how often an acting controller tries again to
+// store the fence list where it is behind and to make every volume follow
+// it, while something is left to do.
+const followFencesEvery = 5 * time.Second
+
+// keepFencesFollowed tries again, during the term, what a fence change or
+// the term's start could not finish: a storage target that missed the
+// list (it was down, or did not answer in time) gets it, and its volumes
+// follow it, as soon as it answers.
+func (d *Driver) keepFencesFollowed(term context.Context) {
+	t := time.NewTicker(followFencesEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-term.Done():
+			return
+		case <-t.C:
+		}
+		if d.fencesBehind.Swap(false) {
+			d.FollowFencesAgain("the network fence list or its application was left unfinished")
+		}
+	}
+}
+
+// SetFenceStore sets where the controller keeps its network fences (in
+// place of Config.FenceFile), before its backends are set.
+func (d *Driver) SetFenceStore(s netfence.Store) { d.cfg.FenceStore = s }
 
 // StandBy says what a standby controller waits for; ready says whether it
 // knows another controller acts, so that Probe may answer ready (its

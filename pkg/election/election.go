@@ -113,6 +113,10 @@ type Config struct {
 	// leases are given back.
 	Active  func()
 	Standby func(why string)
+	// Retaken is called when an acting controller takes again a target
+	// it had stopped acting on (it did not answer in time): that target
+	// may have missed what was done meanwhile.
+	Retaken func(target string)
 	// Waiting is told what a standby waits for, each time that changes.
 	Waiting func(why string)
 }
@@ -177,6 +181,9 @@ func New(cfg Config) (*Elector, error) {
 	}
 	if e.cfg.Active == nil {
 		e.cfg.Active = func() {}
+	}
+	if e.cfg.Retaken == nil {
+		e.cfg.Retaken = func(string) {}
 	}
 	return e, nil
 }
@@ -519,11 +526,15 @@ func (e *Elector) retakeDropped(ctx context.Context) {
 			continue
 		}
 		e.mu.Lock()
-		if e.active {
+		still := e.active
+		if still {
 			e.holding[t.Name()] = held{epoch: epoch, validUntil: sent.Add(e.t.Term - e.t.Margin), renewDue: sent.Add(e.t.RenewEvery)}
 		}
 		e.mu.Unlock()
-		klog.InfoS("Acting on a storage target again", "target", t.Name(), "epoch", epoch)
+		if still {
+			klog.InfoS("Acting on a storage target again", "target", t.Name(), "epoch", epoch)
+			e.cfg.Retaken(t.Name())
+		}
 	}
 }
 

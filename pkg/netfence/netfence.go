@@ -5,12 +5,16 @@
 // comes back from a partition with another DHCP lease must not slip out of
 // a fence its operator has not lifted.
 //
-// The list is a file written atomically on every change, before the change
-// is acted on, so that a controller that restarts half way refuses the
-// same attachments as before.
+// The list is stored on every change, before the change is acted on, so
+// that a controller that restarts half way refuses the same attachments as
+// before: in a file written atomically (FileStore), or, where the pools are
+// behind storage targets, on every target, so that whichever controller
+// acts next reads it (each stored list has a version, and the highest
+// wins).
 package netfence
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -95,44 +99,121 @@ func comparePrefix(a, b netip.Prefix) int {
 	return a.Bits() - b.Bits()
 }
 
-// List is the controller's fences, kept in a file.
-type List struct {
-	path string
+// Stored is the list as a Store keeps it.
+type Stored struct {
+	// Version grows by one with every change.
+	Version uint64  `json:"version"`
+	Fences  []Fence `json:"fences"`
+	// Found is false when no list was ever stored there.
+	Found bool `json:"-"`
+}
 
-	mu     sync.Mutex
-	fences []Fence // sorted by CIDR
-	// missing: there was no file at Open, and nothing has been stored
+// Check refuses a stored list that holds something that is not a CIDR
+// block; where says where it was read.
+func (s Stored) Check(where string) error {
+	for _, f := range s.Fences {
+		if !f.CIDR.IsValid() || f.CIDR.Masked() != f.CIDR {
+			return fmt.Errorf("the network fences in %s hold %q, which is not a CIDR block", where, f.CIDR)
+		}
+	}
+	return nil
+}
+
+// Store keeps the list.
+type Store interface {
+	// Load reads the stored list; one never stored is not Found. An
+	// error wrapping ErrPartlyStored comes with the list: some places
+	// could not be read or brought up to date.
+	Load(ctx context.Context) (Stored, error)
+	// Save stores s. An error wrapping ErrPartlyStored says s was stored
+	// in some places and not all: it may be in force after a restart, so
+	// the caller acts on it, and reports the error.
+	Save(ctx context.Context, s Stored) error
+	// Where names the store in messages.
+	Where() string
+}
+
+// ErrPartlyStored is a list stored in some of a Store's places only.
+var ErrPartlyStored = errors.New("the network fence list was stored in some places and not all")
+
+// FileStore keeps the list in one file, written atomically.
+type FileStore string
+
+func (f FileStore) Where() string { return string(f) }
+
+func (f FileStore) Load(context.Context) (Stored, error) {
+	var s Stored
+	err := fsutil.ReadJSON(string(f), &s)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return Stored{}, nil
+	case err != nil:
+		return Stored{}, fmt.Errorf("reading the network fences in %s: %w", f, err)
+	}
+	s.Found = true
+	return s, s.Check(string(f))
+}
+
+func (f FileStore) Save(_ context.Context, s Stored) error {
+	if s.Fences == nil {
+		s.Fences = []Fence{}
+	}
+	if err := fsutil.WriteJSONAtomic(string(f), s); err != nil {
+		return fmt.Errorf("recording the network fences in %s: %w", f, err)
+	}
+	return nil
+}
+
+// List is the controller's fences, kept in a Store.
+type List struct {
+	store Store
+
+	mu      sync.Mutex
+	fences  []Fence // sorted by CIDR
+	version uint64
+	// missing: no list was stored at Open, and nothing has been stored
 	// since. An empty list that was written is not missing.
 	missing bool
 }
 
 // Open reads the list kept at path; a missing file is an empty list.
 func Open(path string) (*List, error) {
-	l := &List{path: path}
-	var stored struct {
-		Fences []Fence `json:"fences"`
-	}
-	err := fsutil.ReadJSON(path, &stored)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		l.missing = true
-		return l, nil
-	case err != nil:
-		return nil, fmt.Errorf("reading the network fences in %s: %w", path, err)
-	}
-	for _, f := range stored.Fences {
-		if !f.CIDR.IsValid() || f.CIDR.Masked() != f.CIDR {
-			return nil, fmt.Errorf("the network fences in %s hold %q, which is not a CIDR block", path, f.CIDR)
-		}
-	}
-	l.fences = stored.Fences
-	slices.SortFunc(l.fences, func(a, b Fence) int { return comparePrefix(a.CIDR, b.CIDR) })
-	return l, nil
+	return OpenStore(context.Background(), FileStore(path))
 }
 
-// Missing reports whether the list's file did not exist at Open and
-// nothing has been written since: a controller that finds fenced
-// attachments then knows the list was lost, not emptied.
+// OpenStore reads the list kept in store; none stored is an empty list.
+// A list read with an error wrapping ErrPartlyStored is opened, and the
+// error returned with it.
+func OpenStore(ctx context.Context, store Store) (*List, error) {
+	l := &List{store: store}
+	err := l.Reload(ctx)
+	if err != nil && !errors.Is(err, ErrPartlyStored) {
+		return nil, err
+	}
+	return l, err
+}
+
+// Reload reads the list again from its store (which may repair places
+// that were behind). A list read with an error wrapping ErrPartlyStored
+// becomes the list, and the error is returned.
+func (l *List) Reload(ctx context.Context) error {
+	stored, err := l.store.Load(ctx)
+	if err != nil && !errors.Is(err, ErrPartlyStored) {
+		return err
+	}
+	slices.SortFunc(stored.Fences, func(a, b Fence) int { return comparePrefix(a.CIDR, b.CIDR) })
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.fences, l.version, l.missing = stored.Fences, stored.Version, !stored.Found
+	return err
+}
+
+// Where names the list's store.
+func (l *List) Where() string { return l.store.Where() }
+
+// Missing reports whether no list was stored at Open and nothing has been
+// written since: a controller that finds fenced attachments then knows the
+// list was lost, not emptied.
 func (l *List) Missing() bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -153,7 +234,7 @@ func (l *List) Fences() []Fence {
 
 // Add fences the blocks (a block fenced already stays as it is) and
 // persists the list before it returns.
-func (l *List) Add(blocks []netip.Prefix, now time.Time) error {
+func (l *List) Add(ctx context.Context, blocks []netip.Prefix, now time.Time) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	next := slices.Clone(l.fences)
@@ -166,33 +247,33 @@ func (l *List) Add(blocks []netip.Prefix, now time.Time) error {
 		return fmt.Errorf("%d blocks would be fenced; at most %d: lift some fences first", len(next), MaxFences)
 	}
 	slices.SortFunc(next, func(a, b Fence) int { return comparePrefix(a.CIDR, b.CIDR) })
-	return l.store(next)
+	return l.save(ctx, next)
 }
 
 // Remove lifts the fences on exactly these blocks (a block not fenced is
 // fine) and persists the list before it returns.
-func (l *List) Remove(blocks []netip.Prefix) error {
+func (l *List) Remove(ctx context.Context, blocks []netip.Prefix) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	next := slices.DeleteFunc(slices.Clone(l.fences), func(f Fence) bool { return slices.Contains(blocks, f.CIDR) })
 	if len(next) == len(l.fences) {
 		return nil
 	}
-	return l.store(next)
+	return l.save(ctx, next)
 }
 
 // Catch decides whether node is fenced, and when it is by its address,
 // records its key in every fence whose block holds that address, so that
 // the node stays fenced under any other address until those fences are
 // lifted. It returns the blocks that fence it, or nil.
-func (l *List) Catch(node nodeid.Node) ([]netip.Prefix, error) {
+func (l *List) Catch(ctx context.Context, node nodeid.Node) ([]netip.Prefix, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	by, next := fencedBy(l.fences, node)
 	if next == nil {
 		return by, nil
 	}
-	if err := l.store(next); err != nil {
+	if err := l.save(ctx, next); err != nil {
 		return nil, err
 	}
 	return by, nil
@@ -223,18 +304,18 @@ func fencedBy(fences []Fence, node nodeid.Node) (by []netip.Prefix, next []Fence
 	return by, next
 }
 
-// store writes next and makes it the list.
-func (l *List) store(next []Fence) error {
+// save stores next as the next version and makes it the list; one stored
+// in some places only is the list too (it may be in force after a
+// restart), and its error is returned.
+func (l *List) save(ctx context.Context, next []Fence) error {
 	if next == nil {
 		next = []Fence{}
 	}
-	if err := fsutil.WriteJSONAtomic(l.path, struct {
-		Fences []Fence `json:"fences"`
-	}{next}); err != nil {
-		return fmt.Errorf("recording the network fences in %s: %w", l.path, err)
+	err := l.store.Save(ctx, Stored{Version: l.version + 1, Fences: next})
+	if err == nil || errors.Is(err, ErrPartlyStored) {
+		l.fences, l.version, l.missing = next, l.version+1, false
 	}
-	l.fences, l.missing = next, false
-	return nil
+	return err
 }
 
 // Blocks lists the fenced blocks as strings, sorted.
@@ -244,4 +325,40 @@ func Blocks(fences []Fence) []string {
 		out[i] = f.CIDR.String()
 	}
 	return out
+}
+
+// Importing is to, started from the list in from when to has none: how a
+// controller that kept its fences in a file moves them onto its storage
+// targets. Once to holds a list, from is no longer read or written.
+func Importing(from, to Store) Store { return importing{from: from, to: to} }
+
+type importing struct{ from, to Store }
+
+func (i importing) Where() string { return i.to.Where() }
+
+func (i importing) Save(ctx context.Context, s Stored) error { return i.to.Save(ctx, s) }
+
+func (i importing) Load(ctx context.Context) (Stored, error) {
+	s, err := i.to.Load(ctx)
+	if s.Found || (err != nil && !errors.Is(err, ErrPartlyStored)) {
+		return s, err
+	}
+	// No list where to could be read: start from the file's, even with
+	// some of to's places unread, or the file's blocks would be lost for
+	// good once anything is stored on to.
+	unread := err
+	old, err := i.from.Load(ctx)
+	if err != nil {
+		return Stored{}, err
+	}
+	if !old.Found {
+		return s, unread
+	}
+	old.Version = max(old.Version, 1)
+	saved := i.to.Save(ctx, old)
+	if saved != nil && !errors.Is(saved, ErrPartlyStored) {
+		return Stored{}, fmt.Errorf("moving the network fences from %s to %s: %w", i.from.Where(), i.to.Where(), saved)
+	}
+	// Places unread or not stored to are for the caller to try again.
+	return old, errors.Join(unread, saved)
 }

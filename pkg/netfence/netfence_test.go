@@ -1,6 +1,7 @@
 package netfence
 
 import (
+	"context"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -100,7 +101,7 @@ func TestListFencesAndRemembers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if by, err := l.Catch(node("n1", "10.0.0.5")); err != nil || by != nil {
+	if by, err := l.Catch(context.Background(), node("n1", "10.0.0.5")); err != nil || by != nil {
 		t.Fatalf("empty list: Catch = %v, %v", by, err)
 	}
 	if _, err := os.Stat(path); !os.IsNotExist(err) {
@@ -110,11 +111,11 @@ func TestListFencesAndRemembers(t *testing.T) {
 		t.Error("a list without a file is not reported missing")
 	}
 	now := time.Date(2026, 11, 27, 3, 0, 0, 0, time.UTC)
-	if err := l.Add(blocks(t, "10.0.0.0/24", "192.0.2.7/32"), now); err != nil {
+	if err := l.Add(context.Background(), blocks(t, "10.0.0.0/24", "192.0.2.7/32"), now); err != nil {
 		t.Fatal(err)
 	}
 	// Adding a fenced block again keeps its time.
-	if err := l.Add(blocks(t, "10.0.0.0/24"), now.Add(time.Hour)); err != nil {
+	if err := l.Add(context.Background(), blocks(t, "10.0.0.0/24"), now.Add(time.Hour)); err != nil {
 		t.Fatal(err)
 	}
 	cases := []struct {
@@ -131,7 +132,7 @@ func TestListFencesAndRemembers(t *testing.T) {
 		{node("n1", ""), []string{"10.0.0.0/24"}},
 	}
 	for _, c := range cases {
-		by, err := l.Catch(c.n)
+		by, err := l.Catch(context.Background(), c.n)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -144,7 +145,7 @@ func TestListFencesAndRemembers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if by, _ := again.Catch(node("n1", "10.9.9.9")); len(by) != 1 {
+	if by, _ := again.Catch(context.Background(), node("n1", "10.9.9.9")); len(by) != 1 {
 		t.Errorf("after a reopen, n1 at another address: fenced by %v, want 10.0.0.0/24", by)
 	}
 	fences := again.Fences()
@@ -153,11 +154,11 @@ func TestListFencesAndRemembers(t *testing.T) {
 	}
 	// Lifting 10.0.0.0/24 frees n1 wherever it is; a block never fenced
 	// is fine to lift.
-	if err := again.Remove(blocks(t, "10.0.0.0/24", "172.16.0.0/12")); err != nil {
+	if err := again.Remove(context.Background(), blocks(t, "10.0.0.0/24", "172.16.0.0/12")); err != nil {
 		t.Fatal(err)
 	}
 	for _, n := range []nodeid.Node{node("n1", "10.0.0.5"), node("n1", "10.0.1.9")} {
-		if by, _ := again.Catch(n); by != nil {
+		if by, _ := again.Catch(context.Background(), n); by != nil {
 			t.Errorf("after the lift, n1 at %s is fenced by %v", n.Address, by)
 		}
 	}
@@ -169,7 +170,7 @@ func TestListFencesAndRemembers(t *testing.T) {
 		t.Errorf("reopened after the lift: %v, %v", third, err)
 	}
 	// Emptied is not missing.
-	if err := third.Remove(blocks(t, "192.0.2.7/32")); err != nil {
+	if err := third.Remove(context.Background(), blocks(t, "192.0.2.7/32")); err != nil {
 		t.Fatal(err)
 	}
 	if fourth, err := Open(path); err != nil || len(fourth.Fences()) != 0 || fourth.Missing() {
@@ -199,7 +200,7 @@ func TestListRefusesWhatItCannotRead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := l.Add(blocks(t, "10.0.0.0/8"), time.Now()); err == nil {
+	if err := l.Add(context.Background(), blocks(t, "10.0.0.0/8"), time.Now()); err == nil {
 		t.Fatal("Add into a directory that does not exist succeeded")
 	}
 	if got := l.Fences(); len(got) != 0 {
@@ -216,10 +217,10 @@ func TestListBounded(t *testing.T) {
 	for i := range MaxFences + 1 {
 		all = append(all, netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 8), byte(i), 0}), 24))
 	}
-	if err := l.Add(all[:MaxFences], time.Now()); err != nil {
+	if err := l.Add(context.Background(), all[:MaxFences], time.Now()); err != nil {
 		t.Fatal(err)
 	}
-	if err := l.Add(all[MaxFences:], time.Now()); err == nil {
+	if err := l.Add(context.Background(), all[MaxFences:], time.Now()); err == nil {
 		t.Fatalf("the list took a fence past %d", MaxFences)
 	}
 }

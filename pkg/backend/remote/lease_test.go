@@ -38,7 +38,7 @@ func (c *clock) add(d time.Duration) {
 // serveLeased serves a block controller's API with the lease on clk's time.
 func serveLeased(t *testing.T, clk *clock) string {
 	t.Helper()
-	return serveUnix(t, handler(blockController(t), leaseOn(t, "", clk, nil)))
+	return serveUnix(t, leasedHandler(blockController(t), leaseOn(t, "", clk, nil)))
 }
 
 // leaseOn is a target's lease on clk's time, recorded in stateDir.
@@ -312,14 +312,14 @@ func TestLeaseSurvivesTargetRestart(t *testing.T) {
 	dir := t.TempDir()
 	ctrl := blockController(t)
 	srv := &swappable{}
-	srv.set(handler(ctrl, leaseOn(t, dir, clk, nil)))
+	srv.set(leasedHandler(ctrl, leaseOn(t, dir, clk, nil)))
 	addr := serveUnix(t, srv)
 	first, second := dial(t, addr), dial(t, addr)
 	hold(t, first, "controller-1")
 	epoch := first.epoch.Load()
 
 	clk.add(10 * time.Second) // the holder's term has 5 s left
-	srv.set(handler(ctrl, leaseOn(t, dir, clk, nil)))
+	srv.set(leasedHandler(ctrl, leaseOn(t, dir, clk, nil)))
 	clk.add(10 * time.Second) // past the old term; within one from the restart
 	ctx := context.Background()
 	if _, err := callOnce[[]any](ctx, first, "ListVolumes", empty{}); err != nil {
@@ -339,7 +339,7 @@ func TestLeaseSurvivesTargetRestart(t *testing.T) {
 		t.Fatalf("taking the lease the holder stopped renewing: %v, epoch %d", err, second.epoch.Load())
 	}
 	// The record is the truth after the next restart too.
-	srv.set(handler(ctrl, leaseOn(t, dir, clk, nil)))
+	srv.set(leasedHandler(ctrl, leaseOn(t, dir, clk, nil)))
 	if l := leaseOf(t, first); l.Holder != "controller-2" || l.Epoch != epoch+1 {
 		t.Fatalf("the lease after a second restart: %+v", l)
 	}
@@ -385,7 +385,7 @@ func TestInFlightCallDrainsBeforeHandOver(t *testing.T) {
 	slow := &slowList{Controller: blockController(t), started: make(chan struct{}), cancelled: make(chan error, 1), letGo: make(chan struct{})}
 	var stuck []string
 	var stuckMu sync.Mutex
-	addr := serveUnix(t, handler(slow, leaseOn(t, "", clk, func(epoch uint64, calls int) {
+	addr := serveUnix(t, leasedHandler(slow, leaseOn(t, "", clk, func(epoch uint64, calls int) {
 		stuckMu.Lock()
 		defer stuckMu.Unlock()
 		stuck = append(stuck, fmt.Sprintf("epoch %d, %d calls", epoch, calls))
@@ -466,7 +466,7 @@ func TestTermEndsOnItsOwn(t *testing.T) {
 // olderTarget answers as a target of lease version 1 does: no epochs, no
 // Lease or Renew, and a request with fields it does not know refused.
 func olderTarget(t *testing.T, clk *clock) http.Handler {
-	current := handler(blockController(t), leaseOn(t, "", clk, nil))
+	current := leasedHandler(blockController(t), leaseOn(t, "", clk, nil))
 	mux := http.NewServeMux()
 	mux.HandleFunc("/v1/Lease", http.NotFound)
 	mux.HandleFunc("/v1/Renew", http.NotFound)

@@ -7,6 +7,7 @@ import (
 
 	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
+	"github.com/modeguard/modeguard/pkg/netfence"
 	"github.com/modeguard/modeguard/pkg/volumeid"
 )
 
@@ -77,15 +78,17 @@ func fromWireSnapshot(w *wireSnapshot, err error) (*backend.Snapshot, error) {
 // storage target uses NewHandler.
 func Handler(c backend.Controller) http.Handler {
 	l, _ := newLease("", time.Now, nil)
-	return handler(c, l)
+	f, _ := newFenceRecord("")
+	return handler(c, l, f)
 }
 
 // ServerConfig is what a storage target's handler keeps across restarts
 // and does when stuck.
 type ServerConfig struct {
-	// StateDir holds the lease's record: a restarted target still knows
-	// which controller holds it. It must be on the target's own disk, and
-	// locked by the process (as its pools are).
+	// StateDir holds the lease's record (a restarted target still knows
+	// which controller holds it) and the controller's network fence list.
+	// It must be on the target's own disk, and locked by the process (as
+	// its pools are).
 	StateDir string
 }
 
@@ -100,10 +103,14 @@ func NewHandler(c backend.Controller, cfg ServerConfig) (http.Handler, error) {
 	if err != nil {
 		return nil, err
 	}
-	return handler(c, l), nil
+	f, err := newFenceRecord(cfg.StateDir)
+	if err != nil {
+		return nil, err
+	}
+	return handler(c, l, f), nil
 }
 
-func handler(c backend.Controller, l *lease) http.Handler {
+func handler(c backend.Controller, l *lease, f *fenceRecord) http.Handler {
 	mux := http.NewServeMux()
 	handle(mux, "Lease", func(context.Context, empty) (leaseResponse, error) { return l.state(), nil })
 	handle(mux, "Acquire", func(_ context.Context, r leaseRequest) (leaseResponse, error) { return l.acquire(r) })
@@ -112,6 +119,11 @@ func handler(c backend.Controller, l *lease) http.Handler {
 	handle(mux, "Info", func(context.Context, empty) (infoResponse, error) {
 		return infoResponse{Backend: c.Backend(), Zones: c.Zones(), MinimumSize: c.MinimumSize(), LeaseVersion: leaseVersion}, nil
 	})
+	handle(mux, "Fences", func(context.Context, empty) (wireFences, error) {
+		s := f.load()
+		return wireFences{Stored: s, Found: s.Found}, nil
+	})
+	handle(mux, "StoreFences", func(_ context.Context, s netfence.Stored) (empty, error) { return empty{}, f.store(s) })
 	handle(mux, "NodeExpansionRequired", func(_ context.Context, v backend.Volume) (bool, error) {
 		return c.NodeExpansionRequired(&v), nil
 	})
