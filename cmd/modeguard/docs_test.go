@@ -2,6 +2,7 @@ package main
 
 import (
 	"flag"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -118,6 +119,55 @@ func TestReferenceListsEveryFlag(t *testing.T) {
 	for name := range documented {
 		if !slices.Contains(have, name) {
 			t.Errorf("docs/reference.md has a row for --%s, which modeguard does not have", name)
+		}
+	}
+}
+
+// TestFailureModelNamesRealTests: every test the operator guide's failure
+// model names exists, so that the table cannot promise what nothing shows.
+func TestFailureModelNamesRealTests(t *testing.T) {
+	guide, err := os.ReadFile("../../docs/operator-guide.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	section, ok := strings.CutPrefix(string(guide)[strings.Index(string(guide), "## Failure model"):], "## Failure model")
+	if !ok {
+		t.Fatal("the operator guide has no failure model")
+	}
+	if end := strings.Index(section, "\n## "); end >= 0 {
+		section = section[:end]
+	}
+	named := regexp.MustCompile("`(Test[A-Za-z0-9_]+)`").FindAllStringSubmatch(section, -1)
+	if len(named) == 0 {
+		t.Fatal("the failure model names no test")
+	}
+	defined := map[string]bool{}
+	decl := regexp.MustCompile(`(?m)^func (Test[A-Za-z0-9_]+)\(`)
+	err = filepath.WalkDir("../..", func(path string, e fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if e.IsDir() && (e.Name() == "_build" || e.Name() == ".git") {
+			return filepath.SkipDir
+		}
+		if !strings.HasSuffix(path, "_test.go") {
+			return nil
+		}
+		src, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		for _, m := range decl.FindAllStringSubmatch(string(src), -1) {
+			defined[m[1]] = true
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range named {
+		if !defined[m[1]] {
+			t.Errorf("the failure model names %s, which no test file defines", m[1])
 		}
 	}
 }
