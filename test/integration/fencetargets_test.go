@@ -34,31 +34,8 @@ func TestFenceListOnTargets(t *testing.T) {
 	work := t.TempDir()
 	zones := []string{"zone-a", "zone-b"}
 	pools := map[string]string{"zone-a": filepath.Join(work, "pool"), "zone-b": filepath.Join(work, "pool-zone-b")}
-	socks := map[string]string{}
-	stops := map[string]func(){}
-	var targetArgs []string
-	for _, zone := range zones {
-		socks[zone] = filepath.Join(work, zone+".sock")
-		stops[zone] = startZoneTarget(t, bin, work, zone, socks[zone])
-		targetArgs = append(targetArgs, "--block-target="+zone+"=unix://"+socks[zone])
-	}
-	t.Cleanup(func() {
-		for _, stop := range stops {
-			stop()
-		}
-	})
-	controller := func(name string) *crashProc {
-		p := &crashProc{t: t, name: name, bin: bin, socket: filepath.Join(work, name+".sock"), log: filepath.Join(work, name+".log"),
-			args: append([]string{"--roles", "controller", "-v", "2"}, targetArgs...)}
-		p.start()
-		t.Cleanup(func() {
-			p.stop()
-			if t.Failed() {
-				t.Logf("%s log:\n%s", name, testenv.ReadFile(p.log))
-			}
-		})
-		return p
-	}
+	targetArgs, stops := zoneTargets(t, bin, work, zones...)
+	controller := func(name string) *crashProc { return runController(t, bin, work, name, targetArgs...) }
 	// storedOn reads a target's record of the list: its version and blocks.
 	storedOn := func(zone string) (uint64, []string) {
 		t.Helper()
@@ -162,7 +139,7 @@ func TestFenceListOnTargets(t *testing.T) {
 		t.Fatalf("zone-b's target, down, holds version %d %v; want the one before the lift (zone-a holds %d)", v, blocks, liftedAt)
 	}
 	// Back, it is brought up to date.
-	stops["zone-b"] = startZoneTarget(t, bin, work, "zone-b", socks["zone-b"])
+	stops["zone-b"] = startZoneTarget(t, bin, work, "zone-b", filepath.Join(work, "zone-b.sock"))
 	for deadline := time.Now().Add(45 * time.Second); ; time.Sleep(200 * time.Millisecond) {
 		v, blocks := storedOn("zone-b")
 		if v == liftedAt && len(blocks) == 0 {

@@ -45,17 +45,8 @@ func TestStandbyForwardsToTheActingController(t *testing.T) {
 	ca := certs.NewCA(t, "controllers")
 	controller := func(name string) *crashProc {
 		files := ca.Peer(peer.ServerName)
-		p := &crashProc{t: t, name: name, bin: bin, socket: filepath.Join(work, name+".sock"), log: filepath.Join(work, name+".log"),
-			args: []string{"--roles", "controller", "-v", "2", "--block-target=zone-a=unix://" + sock,
-				"--controller-peer-listen=tcp://" + freePort(t), "--tls-cert=" + files.Cert, "--tls-key=" + files.Key, "--tls-ca=" + files.CA}}
-		p.start()
-		t.Cleanup(func() {
-			p.stop()
-			if t.Failed() {
-				t.Logf("%s log:\n%s", name, testenv.ReadFile(p.log))
-			}
-		})
-		return p
+		return runController(t, bin, work, name, "--block-target=zone-a=unix://"+sock,
+			"--controller-peer-listen=tcp://"+freePort(t), "--tls-cert="+files.Cert, "--tls-key="+files.Key, "--tls-ca="+files.CA)
 	}
 	ctx := context.Background()
 	c := capability(accessmode.SingleNodeWriter, "")

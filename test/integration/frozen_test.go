@@ -2,7 +2,6 @@ package integration
 
 import (
 	"context"
-	"path/filepath"
 	"slices"
 	"strings"
 	"syscall"
@@ -32,26 +31,8 @@ func TestFrozenControllerChangesNothing(t *testing.T) {
 	testenv.RequireRoot(t)
 	bin := testenv.BuildBinary(t)
 	work := t.TempDir()
-	var targetArgs []string
-	for _, zone := range []string{"zone-a", "zone-b"} {
-		sock := filepath.Join(work, zone+".sock")
-		stop := startZoneTarget(t, bin, work, zone, sock)
-		t.Cleanup(stop)
-		targetArgs = append(targetArgs, "--block-target="+zone+"=unix://"+sock)
-	}
-	controller := func(name string) *crashProc {
-		p := &crashProc{t: t, name: name, bin: bin, socket: filepath.Join(work, name+".sock"), log: filepath.Join(work, name+".log"),
-			args: append([]string{"--roles", "controller", "-v", "2"}, targetArgs...)}
-		p.start()
-		t.Cleanup(func() {
-			_ = p.cmd.Process.Signal(syscall.SIGCONT)
-			p.stop()
-			if t.Failed() {
-				t.Logf("%s log:\n%s", name, testenv.ReadFile(p.log))
-			}
-		})
-		return p
-	}
+	targetArgs, _ := zoneTargets(t, bin, work, "zone-a", "zone-b")
+	controller := func(name string) *crashProc { return runController(t, bin, work, name, targetArgs...) }
 	ctx := context.Background()
 	c := capability(accessmode.SingleNodeWriter, "")
 	inZone := func(zone string) *csi.TopologyRequirement {

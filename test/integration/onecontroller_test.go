@@ -78,6 +78,44 @@ func TestOneControllerPerStorageTarget(t *testing.T) {
 		"Waiting for another controller to let go of a storage target", "another controller holds storage target", true)
 }
 
+// zoneTargets starts a storage target of each zone in work (startZoneTarget,
+// serving work/ZONE.sock), stopped when the test ends, and answers the
+// controller's --block-target arguments and each zone's target's stop
+// function, which the test may call to stop it early (and set to the stop
+// of a target it starts again).
+func zoneTargets(t *testing.T, bin, work string, zones ...string) ([]string, map[string]func()) {
+	var args []string
+	stops := map[string]func(){}
+	for _, zone := range zones {
+		sock := filepath.Join(work, zone+".sock")
+		stops[zone] = startZoneTarget(t, bin, work, zone, sock)
+		args = append(args, "--block-target="+zone+"=unix://"+sock)
+	}
+	t.Cleanup(func() {
+		for _, stop := range stops {
+			stop()
+		}
+	})
+	return args, stops
+}
+
+// runController starts a controller process called name in work with
+// args, stopped when the test ends (thawed first, should the test have
+// frozen it), its log shown when the test failed.
+func runController(t *testing.T, bin, work, name string, args ...string) *crashProc {
+	p := &crashProc{t: t, name: name, bin: bin, socket: filepath.Join(work, name+".sock"), log: filepath.Join(work, name+".log"),
+		args: append([]string{"--roles", "controller", "-v", "2"}, args...)}
+	p.start()
+	t.Cleanup(func() {
+		_ = p.cmd.Process.Signal(syscall.SIGCONT)
+		p.stop()
+		if t.Failed() {
+			t.Logf("%s log:\n%s", name, testenv.ReadFile(p.log))
+		}
+	})
+	return p
+}
+
 // startTarget runs a storage target of one block pool in work, serving
 // sock, until the function it answers stops it.
 func startTarget(t *testing.T, bin, work, sock string) (stop func()) {
