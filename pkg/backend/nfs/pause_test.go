@@ -409,10 +409,13 @@ func TestSnapshotOfAVolumeInUseIsOfOneInstant(t *testing.T) {
 // writer goes on, and nothing of the copies is left: no snapshot, no
 // volume, no directory in the pool, no record.
 func TestCopyOverThePauseBudget(t *testing.T) {
-	// Long enough for ganesha to stop even under emulation (tens of
-	// milliseconds there), far too short to clone 10,000 files even on
-	// fast hardware (each is an open, a clone, an owner, a mode and times).
-	p := startPausedServer(t, 200*time.Millisecond, pausedOptions{})
+	// Long enough for ganesha's threads to stop even in an emulated VM on
+	// a busy machine (tens of milliseconds when idle; over 200 ms seen
+	// with a build beside it, which made the pause fail rather than run
+	// over), far too short to clone 10,000 files there (seconds: each is
+	// an open, a clone, an owner, a mode and times).
+	const budget = time.Second
+	p := startPausedServer(t, budget, pausedOptions{})
 	ctx := context.Background()
 	const dirs = 2
 	id, pseudo := p.writtenVolume(t, "many-files", dirs, 5000)
@@ -426,9 +429,9 @@ func TestCopyOverThePauseBudget(t *testing.T) {
 	wantRefused := func(what string, err error) {
 		t.Helper()
 		if status.Code(err) != codes.Unavailable {
-			t.Fatalf("%s of a volume in use with 10,000 files in a 200ms budget: %v, want UNAVAILABLE", what, err)
+			t.Fatalf("%s of a volume in use with 10,000 files in a %v budget: %v, want UNAVAILABLE", what, budget, err)
 		}
-		for _, want := range []string{id.String(), "too many files", "--nfs-pause-budget", "200ms"} {
+		for _, want := range []string{id.String(), "too many files", "--nfs-pause-budget", budget.String()} {
 			if !strings.Contains(err.Error(), want) {
 				t.Errorf("%s refused with %q, which does not say %q", what, err, want)
 			}
