@@ -337,8 +337,9 @@ func (s *fenceServer) FenceClusterNetwork(ctx context.Context, req *fence.FenceC
 	if stored != nil && !errors.Is(stored, netfence.ErrPartlyStored) {
 		return nil, statusOf(stored, codes.Internal)
 	}
-	d := s.d
-	d.fencesBehind.Store(d.fencesBehind.Load() || stored != nil)
+	if stored != nil {
+		s.d.fencesBehind.Store(true)
+	}
 	klog.InfoS("Network fence recorded", "cidrs", prefixList(blocks), "err", stored)
 	fpFenceListWritten.Hit()
 	// A fence stored in some places is in force: it is applied as far as
@@ -369,8 +370,9 @@ func (s *fenceServer) UnfenceClusterNetwork(ctx context.Context, req *fence.Unfe
 	if stored != nil && !errors.Is(stored, netfence.ErrPartlyStored) {
 		return nil, statusOf(stored, codes.Internal)
 	}
-	d := s.d
-	d.fencesBehind.Store(d.fencesBehind.Load() || stored != nil)
+	if stored != nil {
+		s.d.fencesBehind.Store(true)
+	}
 	klog.InfoS("Network fence lifted", "cidrs", prefixList(blocks), "err", stored)
 	fpFenceListWritten.Hit()
 	if _, err := s.d.applyFences(ctx); err != nil {

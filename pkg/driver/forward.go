@@ -26,9 +26,9 @@ import (
 
 // Peers finds the acting controller.
 type Peers interface {
-	// Acting answers a connection to the acting controller and its
-	// address, or why none can be reached.
-	Acting(ctx context.Context) (grpc.ClientConnInterface, string, error)
+	// Acting answers a connection to the acting controller, or why none
+	// can be reached.
+	Acting(ctx context.Context) (grpc.ClientConnInterface, error)
 }
 
 // forwardedKey marks a forwarded call's metadata.
@@ -54,7 +54,7 @@ func (d *Driver) acting(ctx context.Context, refused error) (grpc.ClientConnInte
 	if p == nil {
 		return nil, nil, refused
 	}
-	conn, _, err := (*p).Acting(ctx)
+	conn, err := (*p).Acting(ctx)
 	if err != nil {
 		return nil, nil, status.Errorf(codes.Unavailable, "%s, and the call cannot be forwarded: %v", status.Convert(refused).Message(), err)
 	}

@@ -74,15 +74,15 @@ func NewDialer(files remote.TLSFiles, find func() (string, error)) *Dialer {
 }
 
 // Acting answers a connection to the acting controller.
-func (d *Dialer) Acting(context.Context) (grpc.ClientConnInterface, string, error) {
+func (d *Dialer) Acting(context.Context) (grpc.ClientConnInterface, error) {
 	addr, err := d.find()
 	if err != nil {
-		return nil, "", err
+		return nil, err
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if c, ok := d.conns[addr]; ok {
-		return c, addr, nil
+		return c, nil
 	}
 	files := d.files
 	// The TLS is done here so that the name checked is ServerName
@@ -95,10 +95,10 @@ func (d *Dialer) Acting(context.Context) (grpc.ClientConnInterface, string, erro
 		// Secured by the dialer's TLS above.
 		grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
-		return nil, "", fmt.Errorf("the acting controller at %s: %w", addr, err)
+		return nil, fmt.Errorf("the acting controller at %s: %w", addr, err)
 	}
 	d.conns[addr] = c
-	return c, addr, nil
+	return c, nil
 }
 
 // Close drops every connection.
