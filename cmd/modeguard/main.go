@@ -117,7 +117,10 @@ type options struct {
 	// Storage targets: the zones the controller reaches through one
 	// (--block-target), where a target serves (--target-endpoint), and
 	// this side's certificate for the API between them.
-	targets        targetFlag
+	targets targetFlag
+	// nfsTarget is --nfs-target: the storage target that serves the NFS
+	// volumes, so that the controller keeps none of their state.
+	nfsTarget      string
 	targetEndpoint string
 	targetStateDir string
 	tls            remote.TLSFiles
@@ -188,7 +191,7 @@ func flagSet(o *options) *flag.FlagSet {
 	fs.StringVar(&o.endpoint, "endpoint", "unix:///run/modeguard/csi.sock",
 		"where to serve CSI: unix:///path/to/socket or tcp://host:port")
 	fs.StringVar(&o.roles, "roles", "controller,node",
-		"services to serve besides Identity: controller, node, or controller,node; or target alone (a storage target serving its --block-pool to controllers, no CSI)")
+		"services to serve besides Identity: controller, node, or controller,node; or target alone (a storage target serving its --block-pool, or the NFS volumes of its --nfs-export-root, to controllers; no CSI)")
 	fs.StringVar(&o.nodeID, "node-id", "", "this node's name (node role): a Kubernetes node name, up to 253 characters, kept in the CSI node id (a stable 63-character form of a longer name); the CSI node id is <name>@<zone>[@<node-address>[@<max-volumes-per-node>[@<iSCSI initiator name>]]]")
 	fs.StringVar(&o.zone, "zone", "", "this node's topology zone (node role), reported as "+driver.TopologyZoneKey)
 	fs.StringVar(&o.nodeAddress, "node-address", "", "IP address this node mounts NFS exports from (node role, optional)")
@@ -209,12 +212,21 @@ func flagSet(o *options) *flag.FlagSet {
 			"a kept image is mounted as whichever it holds. btrfs: always a btrfs (a directory on btrfs is used as it is). xfs: always an xfs with reflinks. "+
 			"direct: always as it is (snapshots and clones of volumes attached read-write are refused without reflinks). Every process of a zone must agree")
 	fs.Var(o.targets, "block-target", "controller: ZONE=HOST:PORT or ZONE=unix:///PATH: the storage target (--roles target) that serves zone ZONE's block pool (repeatable)")
+	fs.Func("nfs-target", "controller: HOST:PORT or unix:///PATH: the storage target (--roles target with --nfs-export-root) that serves the NFS volumes, "+
+		"their data, ganesha and its recovery records; the controller then keeps nothing of NFS on its host (not with --nfs-export-root)", func(v string) error {
+		if err := checkTargetAddress(v); err != nil {
+			return err
+		}
+		o.nfsTarget = v
+		return nil
+	})
 	fs.StringVar(&o.targetEndpoint, "target-endpoint", "unix:///run/modeguard/target.sock",
 		"target: where to serve the storage target's API: unix:///path (0600) or tcp://host:port (mutual TLS: --tls-cert, --tls-key, --tls-ca)")
 	fs.StringVar(&o.targetStateDir, "target-state-dir", "",
-		"target: a directory on the target's own disk for its lease record (which controller holds it, at which epoch), kept across restarts; empty: the first --block-pool's directory in zone order")
+		"target: a directory on the target's own disk for its lease record (which controller holds it, at which epoch) and the network fence list, kept across restarts; "+
+			"empty: the first --block-pool's directory in zone order, or --nfs-export-root")
 	fs.StringVar(&o.controllerPeerListen, "controller-peer-listen", "",
-		"controller with --block-target: tcp://HOST:PORT where this controller, when acting, takes the calls the standby controllers forward to it (mutual TLS: --tls-cert, "+
+		"controller with --block-target or --nfs-target: tcp://HOST:PORT where this controller, when acting, takes the calls the standby controllers forward to it (mutual TLS: --tls-cert, "+
 			"--tls-key, --tls-ca; the certificate names "+peer.ServerName+"), and which it records in the targets' leases for them; HOST is the address the others reach it at "+
 			"(in a pod, $(POD_IP)). Empty: a standby refuses the calls it receives (UNAVAILABLE) rather than forward them")
 	fs.StringVar(&o.iscsiPortal, "iscsi-portal", "", "target: ADDR:PORT to serve the volumes to the nodes over iSCSI from (the kernel's LIO target; empty: no iSCSI)")
@@ -224,24 +236,24 @@ func flagSet(o *options) *flag.FlagSet {
 	fs.StringVar(&o.tls.Key, "tls-key", "", "target and controller: the key of --tls-cert (PEM)")
 	fs.StringVar(&o.tls.CA, "tls-ca", "", "target and controller: the CA (PEM) that signs the other side's certificate")
 	fs.StringVar(&o.nfs.ExportRoot, "nfs-export-root", "",
-		"controller: enables the NFS backend; where volume data lives on the server (a prjquota xfs mount point, or a directory where the driver keeps and mounts a pool image)")
+		"controller or NFS target: enables the NFS backend (served by this process); where volume data lives on the server (a prjquota xfs mount point, or a directory where the driver keeps and mounts a pool image)")
 	o.nfs.PoolImageSize = 100 << 30
-	fs.Var(byteSize{&o.nfs.PoolImageSize}, "nfs-pool-size", "controller: size of the sparse pool image made under --nfs-export-root when it is not a prjquota xfs mount (e.g. 100Gi)")
+	fs.Var(byteSize{&o.nfs.PoolImageSize}, "nfs-pool-size", "controller or NFS target: size of the sparse pool image made under --nfs-export-root when it is not a prjquota xfs mount (e.g. 100Gi)")
 	fs.StringVar(&o.nfs.Storage, "nfs-storage", "auto",
-		"controller: how NFS volume sizes are limited: quota (xfs project quotas), images (one loop-mounted image per volume), auto (quota where the kernel's xfs supports it)")
+		"controller or NFS target: how NFS volume sizes are limited: quota (xfs project quotas), images (one loop-mounted image per volume), auto (quota where the kernel's xfs supports it)")
 	fs.StringVar(&o.nfs.ImageFilesystem, "nfs-image-filesystem", "xfs",
-		"controller: what the image storage formats new NFS volumes with: xfs (300 MiB minimum, grows without CAP_SYS_RESOURCE) or ext4 (16 MiB minimum, a few hundred KiB written per volume; growing needs CAP_SYS_RESOURCE); existing volumes keep theirs")
-	fs.StringVar(&o.nfs.Server, "nfs-server", "", "controller: the IP address nodes mount NFS exports from")
-	fs.IntVar(&o.nfs.Port, "nfs-port", 2049, "controller: the NFS port ganesha serves")
-	fs.StringVar(&o.nfs.ListenAddress, "nfs-listen-address", "", "controller: the address the driver's own ganesha binds to (default: every address)")
+		"controller or NFS target: what the image storage formats new NFS volumes with: xfs (300 MiB minimum, grows without CAP_SYS_RESOURCE) or ext4 (16 MiB minimum, a few hundred KiB written per volume; growing needs CAP_SYS_RESOURCE); existing volumes keep theirs")
+	fs.StringVar(&o.nfs.Server, "nfs-server", "", "controller or NFS target: the IP address nodes mount NFS exports from")
+	fs.IntVar(&o.nfs.Port, "nfs-port", 2049, "controller or NFS target: the NFS port ganesha serves")
+	fs.StringVar(&o.nfs.ListenAddress, "nfs-listen-address", "", "controller or NFS target: the address the driver's own ganesha binds to (default: every address)")
 	fs.StringVar(&o.nfs.GaneshaDir, "nfs-ganesha-dir", "/var/lib/modeguard/ganesha",
-		"controller: runtime directory of the ganesha the driver runs (config, private D-Bus socket, recovery, logs, export files)")
+		"controller or NFS target: runtime directory of the ganesha the driver runs (config, private D-Bus socket, recovery, logs, export files)")
 	fs.StringVar(&o.nfs.GaneshaDBus, "nfs-ganesha-dbus", "",
-		"controller: D-Bus address of a ganesha run by someone else (e.g. unix:path=/run/ganesha/bus.sock); the driver then starts none")
+		"controller or NFS target: D-Bus address of a ganesha run by someone else (e.g. unix:path=/run/ganesha/bus.sock); the driver then starts none")
 	fs.StringVar(&o.nfs.ExportConfigDir, "nfs-export-config-dir", "",
-		"controller: where export files go; required with --nfs-ganesha-dbus (that ganesha must include it with %dir), default <nfs-ganesha-dir>/exports")
+		"controller or NFS target: where export files go; required with --nfs-ganesha-dbus (that ganesha must include it with %dir), default <nfs-ganesha-dir>/exports")
 	fs.DurationVar(&o.nfs.PauseBudget, "nfs-pause-budget", nfs.DefaultPauseBudget,
-		"controller: the longest the driver's own ganesha is held still (every NFS client's calls waiting) to snapshot or clone a volume attached read-write on the quota storage; "+
+		"controller or NFS target: the longest the driver's own ganesha is held still (every NFS client's calls waiting) to snapshot or clone a volume attached read-write on the quota storage; "+
 			"a copy that takes longer is abandoned (UNAVAILABLE); must stay below the NFSv4 lease (20s)")
 	fs.StringVar(&o.fenceFile, "fence-file", "",
 		"controller: the file it keeps its network fences in (csi-addons NetworkFence), an absolute path on storage that outlives the controller; its directory is locked like the pools; off when empty: the NetworkFence calls are refused")
@@ -300,7 +312,7 @@ func run(o *options) error {
 		ControllersLater: isController,
 		// A controller reaching storage targets acts only while it holds
 		// all their leases, which an election among controllers decides.
-		Elected: isController && len(o.targets) > 0,
+		Elected: isController && (len(o.targets) > 0 || o.nfsTarget != ""),
 	}
 	if o.fenceFile != "" {
 		if !isController {
@@ -322,12 +334,15 @@ func run(o *options) error {
 			return fmt.Errorf("--iscsi-initiator-name-file needs --iscsi-chap-secret-file: the storage targets let a node in only with its CHAP secret")
 		}
 	}
-	if isController && len(o.pools) == 0 && len(o.targets) == 0 && o.nfs.ExportRoot == "" {
+	if isController && len(o.pools) == 0 && len(o.targets) == 0 && o.nfs.ExportRoot == "" && o.nfsTarget == "" {
 		return fmt.Errorf("the controller role needs at least one backend (e.g. --block-pool ZONE=DIR)")
+	}
+	if o.nfsTarget != "" && o.nfs.ExportRoot != "" {
+		return fmt.Errorf("--nfs-target and --nfs-export-root both name where the NFS volumes are served: give one (--nfs-export-root is then the target's)")
 	}
 	if o.controllerPeerListen != "" {
 		if !cfg.Elected {
-			return fmt.Errorf("--controller-peer-listen is for a controller with --block-target: only controllers elected on the storage targets' leases forward calls to each other")
+			return fmt.Errorf("--controller-peer-listen is for a controller with --block-target or --nfs-target: only controllers elected on the storage targets' leases forward calls to each other")
 		}
 		if o.peerAddress, err = peer.Address(o.controllerPeerListen); err != nil {
 			return err
@@ -609,13 +624,16 @@ func setupControllers(ctx context.Context, o *options, waiting func(string), hoo
 		}
 		local = c
 	}
-	if len(o.targets) > 0 {
+	if len(o.targets) > 0 || o.nfsTarget != "" {
 		t, err := dialTargets(ctx, o, local, waiting, hooks)
 		if err != nil {
 			setup.stop()
 			return nil, err
 		}
-		local, setup.elector = t.backend, t.elector
+		local, setup.elector = t.block, t.elector
+		if t.nfs != nil {
+			setup.ctrls[accessmode.BackendNFS] = t.nfs
+		}
 		// The fence list lives on the targets, where every controller
 		// finds it; a --fence-file of an earlier setup is moved there
 		// once.

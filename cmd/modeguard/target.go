@@ -13,17 +13,18 @@ import (
 	"os"
 	"os/signal"
 	"slices"
-	"sort"
 	"strings"
 	"syscall"
 	"time"
 
 	"k8s.io/klog/v2"
 
+	"github.com/modeguard/modeguard/pkg/accessmode"
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/block"
 	"github.com/modeguard/modeguard/pkg/backend/block/lio"
 	"github.com/modeguard/modeguard/pkg/backend/block/served"
+	"github.com/modeguard/modeguard/pkg/backend/nfs"
 	"github.com/modeguard/modeguard/pkg/backend/remote"
 	"github.com/modeguard/modeguard/pkg/backend/zoned"
 	"github.com/modeguard/modeguard/pkg/controllerlock"
@@ -43,29 +44,46 @@ type targetFlag map[string]string
 func (f targetFlag) String() string { return zoneValues(f) }
 
 func (f targetFlag) Set(v string) error {
-	return setZoneValue(f, v, "HOST:PORT or ZONE=unix:///PATH", "targets", func(addr string) error {
-		if path, isUnix := strings.CutPrefix(addr, "unix://"); isUnix {
-			if !strings.HasPrefix(path, "/") {
-				return fmt.Errorf("target socket %q must be an absolute path (unix:///path)", addr)
-			}
-		} else if _, _, err := net.SplitHostPort(addr); err != nil {
-			return fmt.Errorf("target address %q is neither HOST:PORT nor unix:///PATH", addr)
-		}
-		return nil
-	})
+	return setZoneValue(f, v, "HOST:PORT or ZONE=unix:///PATH", "targets", checkTargetAddress)
 }
 
-// runTarget serves the block pools over the remote API until SIGTERM:
-// on a unix socket only root may open, or on TCP with mutual TLS.
+// checkTargetAddress accepts a storage target's address: HOST:PORT, or
+// unix:///PATH on the controller's host.
+func checkTargetAddress(addr string) error {
+	if path, isUnix := strings.CutPrefix(addr, "unix://"); isUnix {
+		if !strings.HasPrefix(path, "/") {
+			return fmt.Errorf("target socket %q must be an absolute path (unix:///path)", addr)
+		}
+	} else if _, _, err := net.SplitHostPort(addr); err != nil {
+		return fmt.Errorf("target address %q is neither HOST:PORT nor unix:///PATH", addr)
+	}
+	return nil
+}
+
+// runTarget serves its zone's block pools, or the NFS volumes, over the
+// remote API until SIGTERM: on a unix socket only root may open, or on TCP
+// with mutual TLS.
 func runTarget(o *options) error {
-	if len(o.pools) == 0 {
-		return fmt.Errorf("the target role needs its zone's pool: --block-pool ZONE=DIR")
+	servesNFS := o.nfs.ExportRoot != ""
+	switch {
+	case len(o.pools) == 0 && !servesNFS:
+		return fmt.Errorf("the target role serves its zone's block pool (--block-pool ZONE=DIR) or the NFS volumes (--nfs-export-root DIR --nfs-server IP)")
+	case len(o.pools) > 0 && servesNFS:
+		return fmt.Errorf("a target serves block pools or the NFS volumes, not both: run the NFS target as a process of its own, with its own --target-endpoint")
+	case servesNFS && o.iscsiPortal != "":
+		return fmt.Errorf("--iscsi-portal serves block volumes: an NFS target (--nfs-export-root) has none")
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	var dirs []string
 	for _, dir := range o.pools {
 		dirs = append(dirs, dir)
+	}
+	if servesNFS {
+		dirs = append(dirs, o.nfs.ExportRoot)
+		if o.nfs.GaneshaDBus == "" {
+			dirs = append(dirs, o.nfs.GaneshaDir)
+		}
 	}
 	stateDir := targetStateDir(o)
 	if !slices.Contains(dirs, stateDir) {
@@ -82,30 +100,23 @@ func runTarget(o *options) error {
 		return err
 	}
 	defer lock.Release()
-	kept, err := block.KeepPools(ctx, o.pools, o.poolFilesystem)
-	if err != nil {
-		return err
-	}
-	defer func() {
-		if err := kept.Release(); err != nil {
-			klog.ErrorS(err, "Releasing the kept block pools")
-		}
-	}()
-	pools, err := block.NewController(kept.Roots)
-	if err != nil {
-		return fmt.Errorf("block pools: %w", err)
-	}
-	var ctrl backend.Controller = pools
-	if o.iscsiPortal != "" {
-		portal, err := netip.ParseAddrPort(o.iscsiPortal)
+	var ctrl backend.Controller
+	if servesNFS {
+		// ganesha, its recovery records and the volumes' data stay with
+		// the target: a controller may die and start elsewhere.
+		c, stopNFS, err := nfs.Setup(ctx, o.nfs)
 		if err != nil {
-			return fmt.Errorf("--iscsi-portal: %w", err)
+			return err
 		}
-		if ctrl, err = served.New(ctx, pools, served.Config{
-			LIO: lio.Config{Prefix: o.iscsiPrefix, Portal: portal}, CHAPDir: o.iscsiCHAPDir,
-		}); err != nil {
-			return fmt.Errorf("serving the volumes over iSCSI: %w", err)
+		defer stopNFS()
+		ctrl = c
+	} else {
+		c, release, err := targetBlockPools(ctx, o)
+		if err != nil {
+			return err
 		}
+		defer release()
+		ctrl = c
 	}
 	lis, tlsConfig, err := listenTarget(o)
 	if err != nil {
@@ -127,7 +138,7 @@ func runTarget(o *options) error {
 		}
 		serving <- srv.ServeTLS(lis, "", "")
 	}()
-	klog.InfoS("Serving the storage target", "endpoint", o.targetEndpoint, "pools", o.pools.String())
+	klog.InfoS("Serving the storage target", "endpoint", o.targetEndpoint, "backend", ctrl.Backend(), "pools", o.pools.String(), "nfsExportRoot", o.nfs.ExportRoot)
 	select {
 	case err := <-serving:
 		return err
@@ -145,12 +156,51 @@ func runTarget(o *options) error {
 	return nil
 }
 
-// targetStateDir is where the target records its lease: --target-state-dir,
-// or the directory of its first pool in zone order, which is on the
-// target's disk and locked by it already.
+// targetBlockPools opens the target's block pools, served over iSCSI
+// with --iscsi-portal; release lets go of them.
+func targetBlockPools(ctx context.Context, o *options) (backend.Controller, func(), error) {
+	kept, err := block.KeepPools(ctx, o.pools, o.poolFilesystem)
+	if err != nil {
+		return nil, nil, err
+	}
+	release := func() {
+		if err := kept.Release(); err != nil {
+			klog.ErrorS(err, "Releasing the kept block pools")
+		}
+	}
+	pools, err := block.NewController(kept.Roots)
+	if err != nil {
+		release()
+		return nil, nil, fmt.Errorf("block pools: %w", err)
+	}
+	if o.iscsiPortal == "" {
+		return pools, release, nil
+	}
+	portal, err := netip.ParseAddrPort(o.iscsiPortal)
+	if err != nil {
+		release()
+		return nil, nil, fmt.Errorf("--iscsi-portal: %w", err)
+	}
+	ctrl, err := served.New(ctx, pools, served.Config{
+		LIO: lio.Config{Prefix: o.iscsiPrefix, Portal: portal}, CHAPDir: o.iscsiCHAPDir,
+	})
+	if err != nil {
+		release()
+		return nil, nil, fmt.Errorf("serving the volumes over iSCSI: %w", err)
+	}
+	return ctrl, release, nil
+}
+
+// targetStateDir is where the target records its lease and the fence
+// list: --target-state-dir, or the directory of its first pool in zone
+// order, or its NFS export root, which is on the target's disk and locked
+// by it already.
 func targetStateDir(o *options) string {
 	if o.targetStateDir != "" {
 		return o.targetStateDir
+	}
+	if len(o.pools) == 0 {
+		return o.nfs.ExportRoot
 	}
 	return o.pools[slices.Sorted(maps.Keys(o.pools))[0]]
 }
@@ -200,19 +250,23 @@ func dialTimeout(attempt int) time.Duration {
 
 // targetSet is the controller's storage targets.
 type targetSet struct {
-	// backend joins them with the controller's own block pools.
-	backend backend.Controller
+	// block joins the block targets with the controller's own block
+	// pools; nil when it has neither.
+	block backend.Controller
+	// nfs is the NFS target's client; nil without --nfs-target.
+	nfs     backend.Controller
 	clients []*remote.Client
 	elector *election.Elector
 	close   func()
 }
 
-// dialTargets connects to every --block-target and joins them, with the
-// block pools of this process, into the block backend. A target that
-// cannot be reached yet is waited for (saying so): the controller serves
-// no block zone until every one is there, rather than answering for a
-// zone it cannot see. The targets' clients act for the election it
-// answers, which the caller runs once the driver has its backends.
+// dialTargets connects to every --block-target and to the --nfs-target,
+// and joins the block targets, with the block pools of this process, into
+// the block backend. A target that cannot be reached yet is waited for
+// (saying so): the controller serves no backend until every target is
+// there, rather than answering for a zone it cannot see. The targets'
+// clients act for the election it answers, which the caller runs once the
+// driver has its backends.
 func dialTargets(ctx context.Context, o *options, local backend.Controller, waiting func(string), hooks election.Config) (*targetSet, error) {
 	var parts []backend.Controller
 	if local != nil {
@@ -224,41 +278,38 @@ func dialTargets(ctx context.Context, o *options, local backend.Controller, wait
 			c.Close()
 		}
 	}
-	zones := make([]string, 0, len(o.targets))
-	for z := range o.targets {
-		zones = append(zones, z)
-	}
-	sort.Strings(zones)
-	for _, zone := range zones {
+	for _, zone := range slices.Sorted(maps.Keys(o.targets)) {
 		addr := o.targets[zone]
-		for attempt := 0; ; attempt++ {
-			try, cancel := context.WithTimeout(ctx, dialTimeout(attempt))
-			c, err := remote.Dial(try, remote.Target{Address: addr, TLS: o.tls})
-			cancel()
-			if err == nil {
-				if got := c.Zones(); len(got) != 1 || got[0] != zone {
-					c.Close()
-					closeAll()
-					return nil, fmt.Errorf("--block-target %s=%s: that target serves zones %v, not %s", zone, addr, got, zone)
-				}
-				clients = append(clients, c)
-				parts = append(parts, c)
-				break
-			}
-			why := fmt.Sprintf("the storage target of zone %s at %s: %v", zone, addr, err)
-			klog.InfoS("Waiting for a storage target", "zone", zone, "address", addr, "err", err)
-			waiting(why)
-			select {
-			case <-ctx.Done():
-				closeAll()
-				return nil, ctx.Err()
-			case <-time.After(2 * time.Second):
-			}
+		c, err := dialTarget(ctx, o, "zone "+zone, addr, waiting)
+		if err != nil {
+			closeAll()
+			return nil, err
 		}
+		clients = append(clients, c)
+		if got := c.Zones(); c.Backend() != accessmode.BackendBlock || len(got) != 1 || got[0] != zone {
+			closeAll()
+			return nil, fmt.Errorf("--block-target %s=%s: that target serves the %s backend in zones %v, not block volumes in %s", zone, addr, c.Backend(), got, zone)
+		}
+		parts = append(parts, c)
+	}
+	set := &targetSet{close: closeAll}
+	if o.nfsTarget != "" {
+		// After the zones: every controller takes the leases in one order.
+		c, err := dialTarget(ctx, o, "NFS", o.nfsTarget, waiting)
+		if err != nil {
+			closeAll()
+			return nil, err
+		}
+		clients = append(clients, c)
+		if c.Backend() != accessmode.BackendNFS || len(c.Zones()) != 0 {
+			closeAll()
+			return nil, fmt.Errorf("--nfs-target %s: that target serves the %s backend in zones %v, not the NFS volumes", o.nfsTarget, c.Backend(), c.Zones())
+		}
+		set.nfs = c
 	}
 	// One controller acts at a time, as the pools' lock files make it
 	// for pools of the controller's own: the one holding every target's
-	// lease, taken in zone order.
+	// lease, taken in that order.
 	targets := make([]election.Target, len(clients))
 	for i, c := range clients {
 		targets[i] = c
@@ -279,12 +330,36 @@ func dialTargets(ctx context.Context, o *options, local backend.Controller, wait
 	for _, c := range clients {
 		c.Elected(leaseHolder, o.peerAddress, el.Epoch)
 	}
-	set := &targetSet{backend: parts[0], clients: clients, elector: el, close: closeAll}
-	if len(parts) > 1 {
-		if set.backend, err = zoned.New(parts...); err != nil {
+	set.clients, set.elector = clients, el
+	switch len(parts) {
+	case 0:
+	case 1:
+		set.block = parts[0]
+	default:
+		if set.block, err = zoned.New(parts...); err != nil {
 			closeAll()
 			return nil, err
 		}
 	}
 	return set, nil
+}
+
+// dialTarget connects to the storage target of what at addr, waiting
+// (and saying so) while it cannot be reached.
+func dialTarget(ctx context.Context, o *options, what, addr string, waiting func(string)) (*remote.Client, error) {
+	for attempt := 0; ; attempt++ {
+		try, cancel := context.WithTimeout(ctx, dialTimeout(attempt))
+		c, err := remote.Dial(try, remote.Target{Address: addr, TLS: o.tls})
+		cancel()
+		if err == nil {
+			return c, nil
+		}
+		klog.InfoS("Waiting for a storage target", "of", what, "address", addr, "err", err)
+		waiting(fmt.Sprintf("the storage target of %s at %s: %v", what, addr, err))
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(2 * time.Second):
+		}
+	}
 }

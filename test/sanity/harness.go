@@ -105,11 +105,21 @@ func serveThroughTarget(t *testing.T, ctrl backend.Controller) backend.Controlle
 // mount of the exported directory (bindInsteadOfNFS), because this kernel
 // has no NFS client. Everything else on the node — lock files, bind mounts,
 // stats, size limits — is real.
-func RunNFSWithFakeKernelMount(t *testing.T) {
+func RunNFSWithFakeKernelMount(t *testing.T) { runNFS(t, false) }
+
+// RunNFSThroughTarget is RunNFSWithFakeKernelMount with the NFS backend
+// behind a storage target, reached over its mutual-TLS API.
+func RunNFSThroughTarget(t *testing.T) { runNFS(t, true) }
+
+func runNFS(t *testing.T, throughTarget bool) {
 	testenv.RequireRoot(t)
 	root := testenv.Tmpfs(t, "256m") // staging, targets, state: the volumes live on disk
 	disk := t.TempDir()
-	ctrl := testenv.NFSController(t, disk, 4<<30)
+	nfsCtrl := testenv.NFSController(t, disk, 4<<30)
+	var ctrl backend.Controller = nfsCtrl
+	if throughTarget {
+		ctrl = serveThroughTarget(t, ctrl)
+	}
 	cfg := sanity.NewTestConfig()
 	cfg.TestVolumeSize = ctrl.MinimumSize()
 	cfg.TestVolumeExpandSize = ctrl.MinimumSize() + 64<<20
