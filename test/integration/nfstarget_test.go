@@ -22,29 +22,6 @@ import (
 	"github.com/modeguard/modeguard/test/testenv"
 )
 
-// startNFSTarget runs a storage target serving the NFS volumes, with its
-// ganesha, data and records under work/nfs-target, in the network's
-// server namespace, until the test ends. arg is the --nfs-target argument
-// of the controllers that use it.
-func startNFSTarget(t *testing.T, bin string, net *ganeshatest.Network, work string) (p *targetProcess, arg, dir string) {
-	dir = filepath.Join(work, "nfs-target")
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	sock := filepath.Join(work, "nfs-target.sock")
-	p = &targetProcess{t: t, logPath: filepath.Join(work, "nfs-target.log"), sock: sock, argv: []string{
-		"nsenter", "--net=" + net.Server.Path, "--", bin, "--roles", "target", "-v", "2",
-		"--nfs-export-root", filepath.Join(dir, "nfs"), "--nfs-pool-size", "1Gi",
-		"--nfs-server", net.Server.Addr.String(), "--nfs-ganesha-dir", filepath.Join(dir, "ganesha"),
-		"--target-endpoint", "unix://" + sock}}
-	p.start()
-	t.Cleanup(func() {
-		p.stop()
-		testenv.CleanupUnder(t, dir)
-	})
-	return p, "--nfs-target=unix://" + sock, dir
-}
-
 // untilActing waits until p acts as the controller: its calls are no
 // longer refused as a standby's.
 func untilActing(t *testing.T, p *crashProc) {
@@ -76,7 +53,8 @@ func TestNFSServedByATarget(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 
-	target, nfsArg, targetDir := startNFSTarget(t, bin, net, work)
+	target := testenv.StartNFSTarget(ctx, t, bin, net.Server.Path, net.Server.Addr.String(), "--nfs-pool-size", "1Gi")
+	nfsArg := "--nfs-target=" + target.Endpoint()
 	blockArgs, _ := zoneTargets(t, bin, work, "zone-a")
 	// A controller is given its targets and nothing else: no directory
 	// of its own.
@@ -152,7 +130,7 @@ func TestNFSServedByATarget(t *testing.T) {
 	if _, err := fence.NewFenceControllerClient(second.conn).FenceClusterNetwork(ctx, &fence.FenceClusterNetworkRequest{Cidrs: fenceOf(0)}); err != nil {
 		t.Fatalf("FenceClusterNetwork: %v", err)
 	}
-	if _, err := os.Stat(filepath.Join(targetDir, "nfs", ".modeguard-fences.json")); err != nil {
+	if _, err := os.Stat(filepath.Join(target.ExportRoot, ".modeguard-fences.json")); err != nil {
 		t.Errorf("the NFS target holds no fence list: %v", err)
 	}
 	mustNotWrite(0, "fenced", "node-1 fenced")
@@ -194,10 +172,10 @@ func TestNFSServedByATarget(t *testing.T) {
 
 	// The target dies, and its ganesha with it; started again, it serves
 	// the attachments its records hold, to the acting controller too.
-	ganeshaPID, busPID := testenv.NFSServerPIDs(t, filepath.Join(targetDir, "ganesha"))
-	target.kill()
-	testenv.WaitNFSServerGone(t, filepath.Join(targetDir, "ganesha"), ganeshaPID, busPID)
-	target.start()
+	ganeshaPID, busPID := testenv.NFSServerPIDs(t, target.GaneshaDir)
+	target.Kill()
+	testenv.WaitNFSServerGone(t, target.GaneshaDir, ganeshaPID, busPID)
+	target.Start(ctx)
 	for deadline := time.Now().Add(time.Minute); ; time.Sleep(time.Second) {
 		// New clients wait out ganesha's grace period.
 		if err := write(1, "after-the-target-restart"); err == nil {
@@ -213,5 +191,107 @@ func TestNFSServedByATarget(t *testing.T) {
 	}
 	if _, err := cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: vol.GetVolumeId()}); err != nil {
 		t.Fatalf("DeleteVolume: %v", err)
+	}
+}
+
+// TestNFSTargetTakesOverAControllersExportRoot: an install whose
+// controller served NFS itself (its export root, ganesha directory and
+// fence file on its node) moves to an NFS target on the same node and
+// directories. Every volume is served at the address its volume context
+// names, to the nodes it was published to, with its data; the fence list
+// moves onto the target.
+func TestNFSTargetTakesOverAControllersExportRoot(t *testing.T) {
+	t.Parallel()
+	testenv.RequireRoot(t)
+	ganeshatest.RequireCommands(t, "ganesha.nfsd", "dbus-daemon", "nfs-cp", "nfs-cat", "nsenter", "mkfs.xfs")
+	net := ganeshatest.Setup(t, ganeshatest.Options{Nodes: 2, Prefix: "mgu"})
+	bin := testenv.BuildBinary(t)
+	work := t.TempDir()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	fenceFile := filepath.Join(work, "fences", "fences.json")
+	old, gdir := startNFSControllerIn(ctx, t, bin, net, work, "--nfs-pool-size", "1Gi", "--fence-file", fenceFile)
+	nodeID := func(i int) string {
+		return nodeid.Node{Name: fmt.Sprintf("node-%d", i+1), Zone: "zone-a", Address: net.Nodes[i].Addr.String()}.String()
+	}
+	payload := filepath.Join(work, "payload")
+	if err := os.WriteFile(payload, []byte("written over NFS"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	rwo := nfsCapability(accessmode.SingleNodeWriter)
+	resp, err := old.CSI.CreateVolume(ctx, &csi.CreateVolumeRequest{
+		Name: "made-by-the-controller", CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20},
+		VolumeCapabilities: []*csi.VolumeCapability{rwo}, Parameters: map[string]string{"backend": "nfs"},
+	})
+	if err != nil {
+		t.Fatalf("CreateVolume: %v", err)
+	}
+	vol := resp.GetVolume()
+	share := vol.GetVolumeContext()[nfs.ContextShare]
+	if _, err := old.CSI.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
+		VolumeId: vol.GetVolumeId(), NodeId: nodeID(0), VolumeCapability: rwo}); err != nil {
+		t.Fatalf("publishing to node-1: %v", err)
+	}
+	write := func(node int, file string) error {
+		return net.Nodes[node].NFSCopy(ctx, payload, net.NFSURL(share, file))
+	}
+	if err := write(0, "before"); err != nil {
+		t.Fatalf("node-1 writing before the move: %v", err)
+	}
+	fenced := net.Nodes[1].Addr.String() + "/32"
+	if _, err := fence.NewFenceControllerClient(old.Conn()).FenceClusterNetwork(ctx, &fence.FenceClusterNetworkRequest{
+		Cidrs: []*fence.CIDR{{Cidr: fenced}}}); err != nil {
+		t.Fatalf("FenceClusterNetwork: %v", err)
+	}
+	old.Stop()
+
+	// The same directories, now the target's; the controller keeps only
+	// the fence file it hands over.
+	target := testenv.NewTarget(t, bin, net.Server.Path, filepath.Join(work, "nfs-target.sock"), filepath.Join(work, "nfs-target.log"),
+		"--roles", "target", "-v", "2", "--nfs-export-root", filepath.Join(work, "nfs"), "--nfs-pool-size", "1Gi",
+		"--nfs-server", net.Server.Addr.String(), "--nfs-ganesha-dir", gdir)
+	target.Start(ctx)
+	t.Cleanup(func() {
+		target.Stop()
+		if t.Failed() {
+			t.Logf("NFS target log:\n%s", testenv.ReadFile(target.Log))
+		}
+	})
+	ctrl := runController(t, bin, work, "after-the-move", "--nfs-target="+target.Endpoint(), "--fence-file", fenceFile)
+	untilActing(t, ctrl)
+	listed, err := csi.NewControllerClient(ctrl.conn).ListVolumes(ctx, &csi.ListVolumesRequest{})
+	if err != nil {
+		t.Fatalf("ListVolumes: %v", err)
+	}
+	if got := listed.GetEntries(); len(got) != 1 || got[0].GetVolume().GetVolumeId() != vol.GetVolumeId() ||
+		got[0].GetVolume().GetVolumeContext()[nfs.ContextServer] != vol.GetVolumeContext()[nfs.ContextServer] ||
+		!slices.Equal(got[0].GetStatus().GetPublishedNodeIds(), []string{nodeID(0)}) {
+		t.Fatalf("after the move the controller lists %v, want %s at %s published to node-1", got, vol.GetVolumeId(), vol.GetVolumeContext()[nfs.ContextServer])
+	}
+	fences, err := fence.NewFenceControllerClient(ctrl.conn).ListClusterFence(ctx, &fence.ListClusterFenceRequest{})
+	if err != nil {
+		t.Fatalf("ListClusterFence: %v", err)
+	}
+	if got := fences.GetCidrs(); len(got) != 1 || got[0].GetCidr() != fenced {
+		t.Errorf("after the move the fences are %v, want %s from the controller's file", got, fenced)
+	}
+	if _, err := os.Stat(filepath.Join(work, "nfs", ".modeguard-fences.json")); err != nil {
+		t.Errorf("the fence list was not moved onto the target: %v", err)
+	}
+	// The restarted ganesha is in grace: new opens wait for it.
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(time.Second) {
+		got, err := net.Nodes[0].NFSCat(ctx, net.NFSURL(share, "before"))
+		if err == nil && string(got) == "written over NFS" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("node-1 reads %q, %v after the move; want what it wrote before", got, err)
+		}
+	}
+	if err := write(0, "after"); err != nil {
+		t.Errorf("node-1 writing after the move: %v", err)
+	}
+	if err := write(1, "not-node-2"); err == nil {
+		t.Errorf("node-2, never published to, wrote after the move")
 	}
 }

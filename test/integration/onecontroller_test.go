@@ -2,7 +2,6 @@ package integration
 
 import (
 	"context"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -129,87 +128,14 @@ func startZoneTarget(t *testing.T, bin, work, zone, sock string) (stop func()) {
 	if zone != "zone-a" {
 		pool, logPath = filepath.Join(work, "pool-"+zone), filepath.Join(work, "target-"+zone+".log")
 	}
-	return startTargetProcess(t, logPath, sock, bin, "--roles", "target", "--block-pool="+zone+"="+pool, "--block-pool-filesystem=direct",
-		"--target-endpoint", "unix://"+sock, "-v", "2")
-}
-
-// startTargetProcess runs argv, a storage target serving sock, logging to
-// logPath, and waits until it serves; stop ends it with SIGTERM (SIGKILL
-// after 20 s), showing its log if the test failed.
-func startTargetProcess(t *testing.T, logPath, sock string, argv ...string) (stop func()) {
-	p := &targetProcess{t: t, logPath: logPath, sock: sock, argv: argv}
-	p.start()
-	return p.stop
-}
-
-// targetProcess is a storage target run as a process of its own.
-type targetProcess struct {
-	t             *testing.T
-	logPath, sock string
-	argv          []string
-	cmd           *exec.Cmd
-	done          chan struct{}
-	stopped       bool
-}
-
-// start runs the target and waits until it serves its socket.
-func (p *targetProcess) start() {
-	t := p.t
-	t.Helper()
-	logf, err := os.OpenFile(p.logPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.cmd = exec.Command(p.argv[0], p.argv[1:]...)
-	p.cmd.Stdout, p.cmd.Stderr = logf, logf
-	if err := p.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	p.done, p.stopped = done, false
-	go func(cmd *exec.Cmd) { _ = cmd.Wait(); logf.Close(); close(done) }(p.cmd)
-	for deadline := time.Now().Add(time.Minute); ; {
-		if conn, err := net.Dial("unix", p.sock); err == nil {
-			conn.Close()
-			return
+	p := testenv.NewTarget(t, bin, "", sock, logPath, "--roles", "target", "--block-pool="+zone+"="+pool, "--block-pool-filesystem=direct", "-v", "2")
+	p.Start(context.Background())
+	return func() {
+		p.Stop()
+		if t.Failed() {
+			t.Logf("target log %s:\n%s", logPath, testenv.ReadFile(logPath))
 		}
-		select {
-		case <-done:
-			p.stop()
-			t.Fatalf("the target exited before it served")
-		default:
-		}
-		if time.Now().After(deadline) {
-			p.stop()
-			t.Fatal("the target did not serve")
-		}
-		time.Sleep(50 * time.Millisecond)
 	}
-}
-
-// stop ends the target with SIGTERM, or SIGKILL after 20 s.
-func (p *targetProcess) stop() {
-	if p.stopped {
-		return
-	}
-	p.stopped = true
-	_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-p.done:
-	case <-time.After(20 * time.Second):
-		_ = p.cmd.Process.Kill()
-		<-p.done
-	}
-	if p.t.Failed() {
-		p.t.Logf("target log %s:\n%s", p.logPath, testenv.ReadFile(p.logPath))
-	}
-}
-
-// kill ends the target with SIGKILL, as a crash would.
-func (p *targetProcess) kill() {
-	p.stopped = true
-	_ = p.cmd.Process.Kill()
-	<-p.done
 }
 
 // oneControllerActsAtATime starts two controllers with blockArg and

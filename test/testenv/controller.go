@@ -143,6 +143,13 @@ func (c *Controller) Kill() {
 	<-c.done
 }
 
+// Freeze stops the controller with SIGSTOP, as a stalled process or a
+// paused VM: it holds its connections and its state, and does nothing.
+func (c *Controller) Freeze() { _ = c.cmd.Process.Signal(syscall.SIGSTOP) }
+
+// Thaw lets a frozen controller run again (SIGCONT).
+func (c *Controller) Thaw() { _ = c.cmd.Process.Signal(syscall.SIGCONT) }
+
 // NFSServerPIDs reads the PIDs of the ganesha and the bus a controller runs
 // from their pid files in its --nfs-ganesha-dir.
 func NFSServerPIDs(t testing.TB, ganeshaDir string) (ganeshaPID, busPID int) {
@@ -222,6 +229,8 @@ func (c *Controller) Stop() {
 		return
 	default:
 	}
+	// A frozen controller acts on SIGTERM only once thawed.
+	c.Thaw()
 	_ = c.cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case <-c.done:
