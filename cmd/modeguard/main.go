@@ -15,6 +15,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -124,10 +125,14 @@ type options struct {
 	targetEndpoint string
 	targetStateDir string
 	tls            remote.TLSFiles
-	// controllerPeerListen is where an elected controller takes the calls
-	// its standbys forward (tcp://HOST:PORT), and peerAddress the HOST:PORT
+	// controllerPeerListen is where a controller takes the calls its
+	// standbys forward (tcp://HOST:PORT), and peerAddress the HOST:PORT
 	// it advertises of it.
 	controllerPeerListen, peerAddress string
+	// controllerPeers are the other controllers' peer addresses
+	// (--controller-peers), where a standby that reads no lease looks for
+	// the acting one.
+	controllerPeers []string
 	// iSCSI, for a target that serves its volumes to the nodes over it.
 	iscsiPortal, iscsiPrefix, iscsiCHAPDir string
 
@@ -226,9 +231,21 @@ func flagSet(o *options) *flag.FlagSet {
 		"target: a directory on the target's own disk for its lease record (which controller holds it, at which epoch) and the network fence list, kept across restarts; "+
 			"empty: the first --block-pool's directory in zone order, or --nfs-export-root")
 	fs.StringVar(&o.controllerPeerListen, "controller-peer-listen", "",
-		"controller with --block-target or --nfs-target: tcp://HOST:PORT where this controller, when acting, takes the calls the standby controllers forward to it (mutual TLS: --tls-cert, "+
-			"--tls-key, --tls-ca; the certificate names "+peer.ServerName+"), and which it records in the targets' leases for them; HOST is the address the others reach it at "+
+		"controller: tcp://HOST:PORT where this controller, when acting, takes the calls the standby controllers forward to it (mutual TLS: --tls-cert, "+
+			"--tls-key, --tls-ca; the certificate names "+peer.ServerName+"), and which it records in the storage targets' leases for them; HOST is the address the others reach it at "+
 			"(in a pod, $(POD_IP)). Empty: a standby refuses the calls it receives (UNAVAILABLE) rather than forward them")
+	fs.Func("controller-peers", "controller with --controller-peer-listen: HOST:PORT[,HOST:PORT...] of the other controllers' peer listeners, a HOST that is a name standing for every address "+
+		"it resolves to (a headless Service); a standby that reads no storage target's lease (lock files arbitrate its pools, or it is cut off from the targets) "+
+		"forwards each call to them in turn, and the acting one takes it", func(v string) error {
+		for _, entry := range strings.Split(v, ",") {
+			host, port, err := net.SplitHostPort(strings.TrimSpace(entry))
+			if err != nil || host == "" || port == "" {
+				return fmt.Errorf("controller peer %q: give HOST:PORT", entry)
+			}
+			o.controllerPeers = append(o.controllerPeers, strings.TrimSpace(entry))
+		}
+		return nil
+	})
 	fs.StringVar(&o.iscsiPortal, "iscsi-portal", "", "target: ADDR:PORT to serve the volumes to the nodes over iSCSI from (the kernel's LIO target; empty: no iSCSI)")
 	fs.StringVar(&o.iscsiPrefix, "iscsi-iqn-prefix", served.DefaultPrefix, "target: the IQN the volumes' iSCSI targets are named under (<prefix>:<volume>)")
 	fs.StringVar(&o.iscsiCHAPDir, "iscsi-chap-dir", "", "target: a directory with one file per node key holding that node's CHAP secret (a mounted Secret)")
@@ -341,13 +358,16 @@ func run(o *options) error {
 		return fmt.Errorf("--nfs-target and --nfs-export-root both name where the NFS volumes are served: give one (--nfs-export-root is then the target's)")
 	}
 	if o.controllerPeerListen != "" {
-		if !cfg.Elected {
-			return fmt.Errorf("--controller-peer-listen is for a controller with --block-target or --nfs-target: only controllers elected on the storage targets' leases forward calls to each other")
+		if !cfg.Elected && len(o.controllerPeers) == 0 {
+			return fmt.Errorf("--controller-peer-listen without --block-target or --nfs-target needs --controller-peers: a standby finds the acting controller in the storage targets' leases, or among the listed peers")
 		}
 		if o.peerAddress, err = peer.Address(o.controllerPeerListen); err != nil {
 			return err
 		}
+	} else if len(o.controllerPeers) > 0 {
+		return fmt.Errorf("--controller-peers needs --controller-peer-listen: every controller that forwards to its peers must also take their forwarded calls")
 	}
+
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	if o.metricsAddr != "" {
@@ -440,9 +460,28 @@ func run(o *options) error {
 	klog.InfoS("Serving CSI", "driver", o.driverName, "version", version, "endpoint", o.endpoint,
 		"roles", o.roles, "nodeID", d.NodeID(), "pools", o.pools.String())
 	if isController {
-		// Until the backends are set, Probe answers not ready and
-		// Controller calls UNAVAILABLE; the deferred stops run before the
-		// lock's release, so the next controller finds everything stopped.
+		// The election, once there is one: where a standby finds the
+		// acting controller first.
+		var elected atomic.Pointer[election.Elector]
+		if o.peerAddress != "" {
+			// Before the lock: a standby waiting for it forwards too.
+			stopPeers, err := servePeers(ctx, o, d, func() (string, error) {
+				if el := elected.Load(); el != nil {
+					return el.ActingPeer()
+				}
+				return "", errors.New("this controller reads no storage target's lease")
+			})
+			if err != nil {
+				srv.Stop()
+				return err
+			}
+			defer stopPeers()
+		}
+		// Until the backends are set, Probe answers not ready (but for a
+		// standby that forwards) and Controller calls UNAVAILABLE (or are
+		// forwarded); the deferred
+		// stops run before the lock's release, so the next controller
+		// finds everything stopped.
 		lock, err := lockControllerDirs(ctx, o, d)
 		if err != nil {
 			srv.Stop()
@@ -480,28 +519,22 @@ func run(o *options) error {
 		klog.InfoS("Controller ready", "backends", len(setup.ctrls), "elected", setup.elector != nil)
 		if setup.elector != nil {
 			el = setup.elector
-			if o.peerAddress != "" {
-				stopPeers, err := servePeers(o, d, el)
-				if err != nil {
-					srv.Stop()
-					return err
-				}
-				defer stopPeers()
-			}
-			elected := make(chan struct{})
-			go func() { defer close(elected); el.Run(ctx) }()
+			elected.Store(el)
+			running := make(chan struct{})
+			go func() { defer close(running); el.Run(ctx) }()
 			// Stopping: the election steps down (ending the term and
 			// giving the leases back) before the backends close.
-			defer func() { <-elected }()
+			defer func() { <-running }()
 		}
 	}
 	return <-served
 }
 
 // servePeers listens on --controller-peer-listen for the calls standbys
-// forward while this controller acts, and lets it forward the calls it
-// receives while it stands by to the controller the leases name.
-func servePeers(o *options, d *driver.Driver, el *election.Elector) (stop func(), err error) {
+// forward while this controller acts, until ctx ends, and lets it forward
+// the calls it receives while it stands by: to the controller the leases
+// name (find), else to the --controller-peers.
+func servePeers(ctx context.Context, o *options, d *driver.Driver, find func() (string, error)) (stop func(), err error) {
 	creds, err := peer.ServerCredentials(o.tls)
 	if err != nil {
 		return nil, err
@@ -516,7 +549,13 @@ func servePeers(o *options, d *driver.Driver, el *election.Elector) (stop func()
 		return nil, err
 	}
 	go srv.Serve(lis)
-	dialer := peer.NewDialer(o.tls, el.ActingPeer)
+	// Stopped with the CSI server, before the backends and the lock go:
+	// no forwarded call runs on what this controller let go of.
+	go func() {
+		<-ctx.Done()
+		srv.GracefulStop()
+	}()
+	dialer := peer.NewDialer(o.tls, peer.DialerConfig{Find: find, Peers: o.controllerPeers, Self: o.peerAddress})
 	d.SetPeers(dialer)
 	klog.InfoS("Serving other controllers' forwarded calls", "address", o.peerAddress)
 	return func() {
@@ -576,9 +615,11 @@ func controllerPools(o *options) map[string]string {
 // controller holds one.
 func lockControllerDirs(ctx context.Context, o *options, d *driver.Driver) (*controllerlock.Lock, error) {
 	lock, err := controllerlock.Acquire(ctx, controllerDirs(o), time.Second, time.Minute, func(b controllerlock.Busy) {
-		klog.InfoS("Waiting for another controller to stop: one controller acts on a pool at a time; Probe answers not ready meanwhile",
+		klog.InfoS("Waiting for another controller to stop: one controller acts on a pool at a time; meanwhile calls are forwarded to it (with --controller-peer-listen) or refused",
 			"dir", b.Dir, "holder", b.Holder)
-		d.WaitingFor(b.Error())
+		// Another process acts on the pool: a standby that forwards to it
+		// serves every call, and is ready.
+		d.StandBy(b.Error(), o.peerAddress != "")
 	})
 	if err != nil {
 		return nil, err

@@ -296,7 +296,8 @@ func (d *Driver) fenceStore() netfence.Store {
 
 // Ready reports whether every role this process serves can take calls.
 // An elected controller is ready during a term, and as a standby once it
-// knows another controller acts.
+// knows another controller acts; one arbitrated by lock files once it
+// holds them, or as a standby that forwards while another holds them.
 func (d *Driver) Ready() bool {
 	switch {
 	case !d.HasRole(RoleController):
@@ -305,8 +306,12 @@ func (d *Driver) Ready() bool {
 		d.termMu.Lock()
 		defer d.termMu.Unlock()
 		return d.term != nil || d.standbyReady
+	case d.controllersReady.Load():
+		return true
 	default:
-		return d.controllersReady.Load()
+		d.termMu.Lock()
+		defer d.termMu.Unlock()
+		return d.standbyReady
 	}
 }
 

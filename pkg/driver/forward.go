@@ -22,19 +22,25 @@ import (
 // request goes on unchanged, under the caller's deadline, and the answer,
 // error code included, comes back unchanged. A forwarded call is marked,
 // and a controller that receives a marked call while it does not act
-// refuses it: a call is never forwarded twice.
+// refuses it, saying so in the call's trailer: a call is never forwarded
+// twice, and a standby that does not know which peer acts tries the next.
 
 // Peers finds the acting controller.
 type Peers interface {
-	// Acting answers a connection to the acting controller, or why none
-	// can be reached.
-	Acting(ctx context.Context) (grpc.ClientConnInterface, error)
+	// Acting answers connections to the controllers that may be acting,
+	// to try in order, or why none can be reached.
+	Acting(ctx context.Context) ([]grpc.ClientConnInterface, error)
 }
 
-// forwardedKey marks a forwarded call's metadata.
-const forwardedKey = "modeguard-forwarded"
+// forwardedKey marks a forwarded call's metadata; notActingKey marks the
+// trailer of a forwarded call refused because its receiver does not act,
+// which therefore did nothing with it.
+const (
+	forwardedKey = "modeguard-forwarded"
+	notActingKey = "modeguard-not-acting"
+)
 
-// SetPeers lets this elected controller forward the calls it receives as a
+// SetPeers lets this controller forward the calls it receives as a
 // standby to the acting controller that p finds.
 func (d *Driver) SetPeers(p Peers) { d.peers.Store(&p) }
 
@@ -43,10 +49,15 @@ func forwarded(ctx context.Context) bool {
 	return len(metadata.ValueFromIncomingContext(ctx, forwardedKey)) > 0
 }
 
+// notActing reports whether a forwarded call's trailer says its receiver
+// refused it for not acting.
+func notActing(trailer metadata.MD) bool { return len(trailer.Get(notActingKey)) > 0 }
+
 // acting finds where to forward a call this controller cannot serve
 // (refused says why it cannot).
-func (d *Driver) acting(ctx context.Context, refused error) (grpc.ClientConnInterface, context.Context, error) {
+func (d *Driver) acting(ctx context.Context, refused error) ([]grpc.ClientConnInterface, context.Context, error) {
 	if forwarded(ctx) {
+		_ = grpc.SetTrailer(ctx, metadata.Pairs(notActingKey, "1"))
 		return nil, nil, status.Errorf(codes.Unavailable, "forwarded to a controller that is not acting (%s); the caller retries",
 			status.Convert(refused).Message())
 	}
@@ -54,7 +65,7 @@ func (d *Driver) acting(ctx context.Context, refused error) (grpc.ClientConnInte
 	if p == nil {
 		return nil, nil, refused
 	}
-	conn, err := (*p).Acting(ctx)
+	conns, err := (*p).Acting(ctx)
 	if err != nil {
 		return nil, nil, status.Errorf(codes.Unavailable, "%s, and the call cannot be forwarded: %v", status.Convert(refused).Message(), err)
 	}
@@ -62,31 +73,45 @@ func (d *Driver) acting(ctx context.Context, refused error) (grpc.ClientConnInte
 	// cancellation: the caller's metadata is its transport's, not the
 	// call's (a CSI call carries what it needs, secrets included, in its
 	// request).
-	return conn, metadata.NewOutgoingContext(ctx, metadata.Pairs(forwardedKey, "1")), nil
+	return conns, metadata.NewOutgoingContext(ctx, metadata.Pairs(forwardedKey, "1")), nil
+}
+
+// noneActs is the answer when every peer tried refused for not acting.
+func noneActs(refused, last error) error {
+	return status.Errorf(codes.Unavailable, "%s, and no other controller acts (%v); the caller retries",
+		status.Convert(refused).Message(), status.Convert(last).Message())
 }
 
 // forwardUnary sends a unary call on to the acting controller.
 func (d *Driver) forwardUnary(ctx context.Context, method string, req any, refused error) (any, error) {
-	conn, fctx, err := d.acting(ctx, refused)
+	conns, fctx, err := d.acting(ctx, refused)
 	if err != nil {
 		return nil, err
 	}
-	resp, err := newMessage(method, false)
-	if err != nil {
-		return nil, err
+	for _, conn := range conns {
+		resp, err := newMessage(method, false)
+		if err != nil {
+			return nil, err
+		}
+		var trailer metadata.MD
+		err = conn.Invoke(fctx, method, req, resp, grpc.Trailer(&trailer))
+		if err != nil && notActing(trailer) {
+			refused = noneActs(refused, err)
+			continue
+		}
+		d.cfg.Metrics.Forwarded(method, status.Code(err))
+		if err != nil {
+			return nil, err
+		}
+		return resp, nil
 	}
-	err = conn.Invoke(fctx, method, req, resp)
-	d.cfg.Metrics.Forwarded(method, status.Code(err))
-	if err != nil {
-		return nil, err
-	}
-	return resp, nil
+	return nil, refused
 }
 
 // forwardStream sends a server-streaming call on to the acting controller,
 // and its messages back as they come.
 func (d *Driver) forwardStream(ss grpc.ServerStream, method string, refused error) error {
-	conn, fctx, err := d.acting(ss.Context(), refused)
+	conns, fctx, err := d.acting(ss.Context(), refused)
 	if err != nil {
 		return err
 	}
@@ -97,6 +122,25 @@ func (d *Driver) forwardStream(ss grpc.ServerStream, method string, refused erro
 	if err := ss.RecvMsg(req); err != nil {
 		return err
 	}
+	for _, conn := range conns {
+		err := d.forwardStreamTo(ss, conn, fctx, method, req)
+		if errors.Is(err, errNotActing) {
+			refused = noneActs(refused, err)
+			continue
+		}
+		d.cfg.Metrics.Forwarded(method, status.Code(err))
+		return err
+	}
+	return refused
+}
+
+// errNotActing is a forwarded stream refused by a peer that does not act,
+// before any message came back.
+var errNotActing = errors.New("the peer does not act")
+
+// forwardStreamTo forwards the stream to conn; errNotActing when conn's
+// controller refused it for not acting, having sent nothing.
+func (d *Driver) forwardStreamTo(ss grpc.ServerStream, conn grpc.ClientConnInterface, fctx context.Context, method string, req proto.Message) error {
 	fctx, cancel := context.WithCancel(fctx)
 	defer cancel()
 	cs, err := conn.NewStream(fctx, &grpc.StreamDesc{ServerStreams: true}, method)
@@ -106,19 +150,20 @@ func (d *Driver) forwardStream(ss grpc.ServerStream, method string, refused erro
 	if err == nil {
 		err = cs.CloseSend()
 	}
-	for err == nil {
+	for first := true; err == nil; first = false {
 		var m proto.Message
 		if m, err = newMessage(method, false); err != nil {
 			break
 		}
 		if err = cs.RecvMsg(m); err == nil {
 			err = ss.SendMsg(m)
+		} else if first && !errors.Is(err, io.EOF) && notActing(cs.Trailer()) {
+			return fmt.Errorf("%w: %v", errNotActing, err)
 		}
 	}
 	if errors.Is(err, io.EOF) {
 		err = nil
 	}
-	d.cfg.Metrics.Forwarded(method, status.Code(err))
 	return err
 }
 
@@ -156,8 +201,8 @@ func newMessage(method string, input bool) (proto.Message, error) {
 // with creds (mutual TLS): the controller-side services and Identity only,
 // whatever other roles this process has.
 func (d *Driver) NewPeerServer(creds credentials.TransportCredentials) (*grpc.Server, error) {
-	if !d.cfg.Elected {
-		return nil, fmt.Errorf("only an elected controller takes forwarded calls")
+	if !d.HasRole(RoleController) {
+		return nil, fmt.Errorf("only a controller takes forwarded calls")
 	}
 	only := func(method string) error {
 		if controllerCall(method) || strings.HasPrefix(method, "/csi.v1.Identity/") {

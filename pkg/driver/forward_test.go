@@ -3,6 +3,7 @@ package driver_test
 import (
 	"context"
 	"net"
+	"slices"
 	"strings"
 	"testing"
 
@@ -73,7 +74,7 @@ func actingController(t *testing.T, ca *certs.CA) (*memory.Controller, *driver.D
 
 // at is a peer.Dialer that finds the acting controller at addr.
 func at(t *testing.T, files certs.Files, addr string) *peer.Dialer {
-	d := peer.NewDialer(remote.TLSFiles(files), func() (string, error) { return addr, nil })
+	d := peer.NewDialer(remote.TLSFiles(files), peer.DialerConfig{Find: func() (string, error) { return addr, nil }})
 	t.Cleanup(d.Close)
 	return d
 }
@@ -199,11 +200,13 @@ func TestPeerListenerRefusesStrangers(t *testing.T) {
 
 // forwardingStandby serves acting on loopback as an acting controller's
 // peer listener would, and answers a connection to a standby controller
-// that forwards to it.
+// that reads no lease and lists an idle peer, then acting: each call is
+// refused by the first and forwarded to the second.
 func forwardingStandby(t *testing.T, acting *driver.Driver) *grpc.ClientConn {
 	t.Helper()
 	ca := certs.NewCA(t, "controllers")
-	creds, err := peer.ServerCredentials(remote.TLSFiles(ca.Peer(peer.ServerName)))
+	files := ca.Peer(peer.ServerName)
+	creds, err := peer.ServerCredentials(remote.TLSFiles(files))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -214,12 +217,111 @@ func forwardingStandby(t *testing.T, acting *driver.Driver) *grpc.ClientConn {
 	srv := acting.NewGRPCServer(grpc.Creds(creds))
 	go srv.Serve(lis)
 	t.Cleanup(srv.Stop)
-	idle, err := memory.New(memory.Config{Pools: []memory.Pool{{Zone: "zone-a", SizeBytes: 1 << 30}}})
-	if err != nil {
-		t.Fatal(err)
+	backendOf := func() backend.Controller {
+		c, err := memory.New(memory.Config{Pools: []memory.Pool{{Zone: "zone-a", SizeBytes: 1 << 30}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
 	}
-	standby := electedDriver(t, idle, nil)
-	standby.StandBy("another controller acts", true)
-	standby.SetPeers(at(t, ca.Peer(peer.ServerName), lis.Addr().String()))
+	idle := electedDriver(t, backendOf(), nil)
+	idle.StandBy("another controller acts", true)
+	standby := electedDriver(t, backendOf(), nil)
+	standby.StandBy("no storage target's lease can be read", false)
+	dialer := peer.NewDialer(remote.TLSFiles(files), peer.DialerConfig{Peers: []string{servePeers(t, idle, files), lis.Addr().String()}})
+	t.Cleanup(dialer.Close)
+	standby.SetPeers(dialer)
 	return serveDriver(t, standby)
+}
+
+// TestStandbyTriesTheListedPeers: a standby that reads no lease forwards
+// each call to the listed peers in turn. One that does not act refuses it
+// having done nothing, and the next is tried; the acting one's answer,
+// whatever it is, is the call's: a failure there is never tried again
+// elsewhere. A controller arbitrated by lock files (not elected) forwards
+// too while it waits for them.
+func TestStandbyTriesTheListedPeers(t *testing.T) {
+	ca := certs.NewCA(t, "controllers")
+	files := ca.Peer(peer.ServerName)
+	ctrl, _, actingAddr := actingController(t, ca)
+	idle := electedDriver(t, ctrl, nil)
+	idle.StandBy("another controller acts", true)
+	idleAddr := servePeers(t, idle, files)
+	ctx := context.Background()
+	create := func(cc csi.ControllerClient, name string) error {
+		_, err := cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 20},
+			VolumeCapabilities: []*csi.VolumeCapability{blockCap(accessmode.SingleNodeWriter)}})
+		return err
+	}
+	listed := func(t *testing.T, d *driver.Driver, peers ...string) csi.ControllerClient {
+		dialer := peer.NewDialer(remote.TLSFiles(files), peer.DialerConfig{Peers: peers, Self: "127.0.0.1:1"})
+		t.Cleanup(dialer.Close)
+		d.SetPeers(dialer)
+		return csi.NewControllerClient(serveDriver(t, d))
+	}
+	names := func() []string {
+		vols, err := ctrl.ListVolumes(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out []string
+		for _, v := range vols {
+			out = append(out, v.Name)
+		}
+		return out
+	}
+
+	t.Run("the idle peer first, then the acting one", func(t *testing.T) {
+		standby := electedDriver(t, ctrl, nil)
+		standby.StandBy("no storage target's lease can be read", false)
+		if err := create(listed(t, standby, idleAddr, actingAddr), "through-the-second-peer"); err != nil {
+			t.Fatalf("CreateVolume through a standby listing an idle and the acting peer: %v", err)
+		}
+		if got := names(); !slices.Equal(got, []string{"through-the-second-peer"}) {
+			t.Fatalf("volumes %v, want the one created through the acting peer", got)
+		}
+	})
+	t.Run("only idle peers", func(t *testing.T) {
+		standby := electedDriver(t, ctrl, nil)
+		standby.StandBy("no storage target's lease can be read", false)
+		err := create(listed(t, standby, idleAddr, idleAddr), "nobody-acts")
+		if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "no other controller acts") {
+			t.Fatalf("CreateVolume with no acting peer: %v, want UNAVAILABLE saying none acts", err)
+		}
+	})
+	t.Run("the acting peer's failure is the answer", func(t *testing.T) {
+		standby := electedDriver(t, ctrl, nil)
+		standby.StandBy("no storage target's lease can be read", false)
+		// A second acting controller on a backend of its own, listed after
+		// the first: it must never see the call.
+		other, err := memory.New(memory.Config{Pools: []memory.Pool{{Zone: "zone-a", SizeBytes: 1 << 30}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		second := electedDriver(t, other, nil)
+		if err := second.StartTerm(ctx); err != nil {
+			t.Fatal(err)
+		}
+		ctrl.Faults.FailNext("CreateVolume", status.Error(codes.Unavailable, "the pool is busy"))
+		err = create(listed(t, standby, actingAddr, servePeers(t, second, files)), "failed-at-the-acting-peer")
+		if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "the pool is busy") {
+			t.Fatalf("CreateVolume failing at the acting peer: %v, want its UNAVAILABLE", err)
+		}
+		if vols, _ := other.ListVolumes(ctx); len(vols) != 0 {
+			t.Fatalf("the call was tried again on the next peer: it holds %d volumes", len(vols))
+		}
+	})
+	t.Run("a controller waiting for its lock files", func(t *testing.T) {
+		waiting, err := driver.New(driver.Config{Version: "test", Roles: []driver.Role{driver.RoleController}, ControllersLater: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		waiting.WaitingFor("another controller holds the pool's lock")
+		if err := create(listed(t, waiting, actingAddr), "while-waiting-for-the-lock"); err != nil {
+			t.Fatalf("CreateVolume through a controller waiting for its lock files: %v", err)
+		}
+		if got := names(); !slices.Contains(got, "while-waiting-for-the-lock") {
+			t.Fatalf("volumes %v, want the one created while the other waited", got)
+		}
+	})
 }

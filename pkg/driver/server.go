@@ -104,13 +104,14 @@ func (d *Driver) NewGRPCServer(opts ...grpc.ServerOption) *grpc.Server {
 // until the controller's backends are there: the state they read is not
 // this process's to act on before it holds the controller lock. An elected
 // controller serves them only during a term, under the term's context.
+// Meanwhile a controller with peers forwards them to the acting one.
 func (d *Driver) controllerGate(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 	if !controllerCall(info.FullMethod) || localControllerCall(info.FullMethod) {
 		return handler(ctx, req)
 	}
 	if !d.cfg.Elected {
 		if err := d.refuseBeforeControllers(); err != nil {
-			return nil, err
+			return d.forwardUnary(ctx, info.FullMethod, req, err)
 		}
 		return handler(ctx, req)
 	}
@@ -131,7 +132,7 @@ func (d *Driver) controllerStreamGate(srv any, ss grpc.ServerStream, info *grpc.
 	}
 	if !d.cfg.Elected {
 		if err := d.refuseBeforeControllers(); err != nil {
-			return err
+			return d.forwardStream(ss, info.FullMethod, err)
 		}
 		return handler(srv, ss)
 	}

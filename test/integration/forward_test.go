@@ -98,3 +98,66 @@ func TestStandbyForwardsToTheActingController(t *testing.T) {
 		t.Errorf("the acting controller's log does not show the call forwarded by the new standby")
 	}
 }
+
+// TestStandbyOnLockFilesForwards: two controllers of one pool that their
+// lock files arbitrate (no storage target, so no lease names the acting
+// one), each with a peer listener and both listed as --controller-peers.
+// The one waiting for the lock is ready, and serves every call by asking
+// the listed peers in turn; when the acting one dies it takes the lock at
+// once and acts, and the first, started again, forwards to it.
+func TestStandbyOnLockFilesForwards(t *testing.T) {
+	t.Parallel()
+	testenv.RequireRoot(t)
+	bin := testenv.BuildBinary(t)
+	work := t.TempDir()
+	ca := certs.NewCA(t, "controllers")
+	files := ca.Peer(peer.ServerName)
+	addrs := []string{freePort(t), freePort(t)}
+	controller := func(name, listen string) *crashProc {
+		return runController(t, bin, work, name, "--block-pool=zone-a="+filepath.Join(work, "pool"), "--block-pool-filesystem=direct",
+			"--controller-peer-listen=tcp://"+listen, "--controller-peers="+strings.Join(addrs, ","),
+			"--tls-cert="+files.Cert, "--tls-key="+files.Key, "--tls-ca="+files.CA)
+	}
+	ctx := context.Background()
+	c := capability(accessmode.SingleNodeWriter, "")
+	create := func(p *crashProc, name string) error {
+		_, err := csi.NewControllerClient(p.conn).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name,
+			CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}, VolumeCapabilities: []*csi.VolumeCapability{c}})
+		return err
+	}
+
+	first := controller("first", addrs[0])
+	// Ready although it waits for the first's lock: it forwards.
+	second := controller("second", addrs[1])
+	if !strings.Contains(testenv.ReadFile(second.log), "Waiting for another controller to stop") {
+		t.Fatalf("the second controller does not wait for the first's lock")
+	}
+	if err := create(second, "through-the-waiting-one"); err != nil {
+		t.Fatalf("CreateVolume through the controller waiting for the lock: %v", err)
+	}
+	if !strings.Contains(testenv.ReadFile(first.log), "through-the-waiting-one") {
+		t.Errorf("the acting controller's log does not show the forwarded CreateVolume")
+	}
+
+	_ = first.cmd.Process.Signal(syscall.SIGKILL)
+	<-first.done
+	var err error
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		if err = create(second, "after-the-first-died"); status.Code(err) != codes.Unavailable {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the second controller did not take over: %v", err)
+		}
+	}
+	if err != nil {
+		t.Fatalf("CreateVolume through the controller that took over: %v", err)
+	}
+	first.start()
+	if err := create(first, "through-the-restarted-first"); err != nil {
+		t.Fatalf("CreateVolume through the restarted first controller: %v", err)
+	}
+	if !strings.Contains(testenv.ReadFile(second.log), "through-the-restarted-first") {
+		t.Errorf("the acting controller's log does not show the call the restarted first forwarded")
+	}
+}
