@@ -6,21 +6,25 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 )
 
 // Target is a storage target process (modeguard --roles target) serving
-// its API on a unix socket, run inside a network namespace when NetNS is
-// set (with nsenter --net, so it shares the host's mounts).
+// its API on a unix socket, or on TCP, run inside a network namespace when
+// NetNS is set (with nsenter --net, so it shares the host's mounts).
 type Target struct {
-	t      testing.TB
-	Bin    string
-	Args   []string // without --target-endpoint, which Start adds
-	NetNS  string   // /run/netns/<name>, or "" for the host's network
-	Log    string
-	Socket string
+	t     testing.TB
+	Bin   string
+	Args  []string // without --target-endpoint, which Start adds
+	NetNS string   // /run/netns/<name>, or "" for the host's network
+	Log   string
+	// Socket is the unix socket it serves; or Listen the HOST:PORT, with
+	// --tls-* in Args, in a namespace the test may not reach: Start then
+	// finds it serving by its log.
+	Socket, Listen string
 	// ExportRoot and GaneshaDir are the --nfs-export-root and
 	// --nfs-ganesha-dir StartNFSTarget gave it.
 	ExportRoot, GaneshaDir string
@@ -34,9 +38,23 @@ func NewTarget(t testing.TB, bin, netns, socket, log string, args ...string) *Ta
 	return &Target{t: t, Bin: bin, Args: args, NetNS: netns, Socket: socket, Log: log}
 }
 
+// NewTCPTarget prepares a target serving listen (HOST:PORT; args carry
+// its --tls-* files), logging to log.
+func NewTCPTarget(t testing.TB, bin, netns, listen, log string, args ...string) *Target {
+	return &Target{t: t, Bin: bin, Args: args, NetNS: netns, Listen: listen, Log: log}
+}
+
 // Endpoint is the target's address as a controller's --block-target or
 // --nfs-target names it.
-func (p *Target) Endpoint() string { return "unix://" + p.Socket }
+func (p *Target) Endpoint() string {
+	if p.Listen != "" {
+		return p.Listen
+	}
+	return "unix://" + p.Socket
+}
+
+// servingLog is what a target logs once it serves its endpoint.
+const servingLog = "Serving the storage target"
 
 // Start runs the target and waits until it serves its socket (a minute
 // at most: an NFS target formats its storage and starts ganesha first).
@@ -47,9 +65,26 @@ func (p *Target) Start(ctx context.Context) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	argv := append([]string{p.Bin, "--target-endpoint", p.Endpoint()}, p.Args...)
+	endpoint := p.Endpoint()
+	if p.Listen != "" {
+		endpoint = "tcp://" + p.Listen
+	}
+	argv := append([]string{p.Bin, "--target-endpoint", endpoint}, p.Args...)
 	if p.NetNS != "" {
 		argv = append([]string{"nsenter", "--net=" + p.NetNS, "--"}, argv...)
+	}
+	// A restarted target appends to its log: only what this start logs
+	// tells that it serves.
+	logFrom := len(ReadFile(p.Log))
+	serves := func() bool {
+		if p.Listen != "" {
+			return strings.Contains(ReadFile(p.Log)[logFrom:], servingLog)
+		}
+		conn, err := net.Dial("unix", p.Socket)
+		if err == nil {
+			conn.Close()
+		}
+		return err == nil
 	}
 	p.cmd = exec.Command(argv[0], argv[1:]...)
 	p.cmd.Stdout, p.cmd.Stderr = logf, logf
@@ -60,8 +95,7 @@ func (p *Target) Start(ctx context.Context) {
 	p.done = done
 	go func(cmd *exec.Cmd) { _ = cmd.Wait(); logf.Close(); close(done) }(p.cmd)
 	for deadline := time.Now().Add(time.Minute); ; {
-		if conn, err := net.Dial("unix", p.Socket); err == nil {
-			conn.Close()
+		if serves() {
 			return
 		}
 		select {
