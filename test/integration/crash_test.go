@@ -105,10 +105,14 @@ type crashProc struct {
 	baseEnv []string
 	socket  string
 	log     string
-	cmd     *exec.Cmd
-	done    chan struct{}
-	conn    *grpc.ClientConn
-	killed  int // how many times it died of SIGKILL
+	// netns, when set, is the network namespace (/run/netns/NAME) it runs
+	// in, entered with nsenter --net, which runs the driver in place: the
+	// PID signalled is the driver's own.
+	netns  string
+	cmd    *exec.Cmd
+	done   chan struct{}
+	conn   *grpc.ClientConn
+	killed int // how many times it died of SIGKILL
 }
 
 func (p *crashProc) start() {
@@ -117,7 +121,11 @@ func (p *crashProc) start() {
 	if err != nil {
 		p.t.Fatal(err)
 	}
-	p.cmd = exec.Command(p.bin, append([]string{"--endpoint", "unix://" + p.socket}, p.args...)...)
+	argv := append([]string{p.bin, "--endpoint", "unix://" + p.socket}, p.args...)
+	if p.netns != "" {
+		argv = append([]string{"nsenter", "--net=" + p.netns, "--"}, argv...)
+	}
+	p.cmd = exec.Command(argv[0], argv[1:]...)
 	p.cmd.Env = append(append(os.Environ(), p.baseEnv...), p.env...)
 	p.env = nil // a restart runs without the fault
 	p.cmd.Stdout, p.cmd.Stderr = logf, logf

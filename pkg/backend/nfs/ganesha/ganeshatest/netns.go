@@ -141,7 +141,7 @@ func Setup(tb testing.TB, opts Options) *Network {
 		{"-n", srv, "link", "set", n.Bridge, "up"},
 	}
 	for i, node := range n.Nodes {
-		port := "p" + strconv.Itoa(i+1)
+		port := nodePort(i)
 		steps = append(steps,
 			[]string{"-n", node.Name, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", srv},
 			[]string{"-n", srv, "link", "set", port, "master", n.Bridge},
@@ -163,6 +163,26 @@ func Setup(tb testing.TB, opts Options) *Network {
 		}
 	}
 	return n
+}
+
+// nodePort is the name, in the server namespace, of the bridge's port
+// that node i's eth0 is the other end of.
+func nodePort(i int) string { return "p" + strconv.Itoa(i+1) }
+
+// SetNodeLink sets node i's port on the bridge up or down. Down cuts the
+// node off in both directions, as a pulled cable does: its eth0 loses its
+// carrier and nothing reaches it or leaves it, while its address and
+// routes stay as they were, so that what runs there notices only by
+// timeouts. Up joins it again.
+func (n *Network) SetNodeLink(i int, up bool) error {
+	if i < 0 || i >= len(n.Nodes) {
+		return fmt.Errorf("ganeshatest: no node %d", i)
+	}
+	state := "down"
+	if up {
+		state = "up"
+	}
+	return ipCmd("-n", n.Server.Name, "link", "set", nodePort(i), state)
 }
 
 func (n *Network) namespace(name string, a netip.Addr) Namespace {
