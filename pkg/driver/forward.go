@@ -32,12 +32,14 @@ type Peers interface {
 	Acting(ctx context.Context) ([]grpc.ClientConnInterface, error)
 }
 
-// forwardedKey marks a forwarded call's metadata; notActingKey marks the
+// forwardedKey marks a forwarded call's metadata. notActingKey marks the
 // trailer of a forwarded call refused because its receiver does not act,
-// which therefore did nothing with it.
+// which therefore did nothing with it; takenKey that of a forwarded call
+// its receiver took, whose answer, failure or not, is the call's.
 const (
 	forwardedKey = "modeguard-forwarded"
 	notActingKey = "modeguard-not-acting"
+	takenKey     = "modeguard-taken"
 )
 
 // SetPeers lets this controller forward the calls it receives as a
@@ -49,9 +51,23 @@ func forwarded(ctx context.Context) bool {
 	return len(metadata.ValueFromIncomingContext(ctx, forwardedKey)) > 0
 }
 
-// notActing reports whether a forwarded call's trailer says its receiver
-// refused it for not acting.
-func notActing(trailer metadata.MD) bool { return len(trailer.Get(notActingKey)) > 0 }
+// passedOn reports whether a forwarded call that failed with err and
+// trailer is for the next peer to take: its receiver refused it for not
+// acting, or it never reached a controller that took it (a peer that is
+// gone, a listed address where none runs).
+func passedOn(err error, trailer metadata.MD) bool {
+	if len(trailer.Get(notActingKey)) > 0 {
+		return true
+	}
+	return len(trailer.Get(takenKey)) == 0 && status.Code(err) == codes.Unavailable
+}
+
+// markTaken marks the trailer of a forwarded call this controller takes.
+func markTaken(ctx context.Context) {
+	if forwarded(ctx) {
+		_ = grpc.SetTrailer(ctx, metadata.Pairs(takenKey, "1"))
+	}
+}
 
 // acting finds where to forward a call this controller cannot serve
 // (refused says why it cannot).
@@ -76,7 +92,7 @@ func (d *Driver) acting(ctx context.Context, refused error) ([]grpc.ClientConnIn
 	return conns, metadata.NewOutgoingContext(ctx, metadata.Pairs(forwardedKey, "1")), nil
 }
 
-// noneActs is the answer when every peer tried refused for not acting.
+// noneActs is the answer when every peer tried passed the call on.
 func noneActs(refused, last error) error {
 	return status.Errorf(codes.Unavailable, "%s, and no other controller acts (%v); the caller retries",
 		status.Convert(refused).Message(), status.Convert(last).Message())
@@ -95,7 +111,7 @@ func (d *Driver) forwardUnary(ctx context.Context, method string, req any, refus
 		}
 		var trailer metadata.MD
 		err = conn.Invoke(fctx, method, req, resp, grpc.Trailer(&trailer))
-		if err != nil && notActing(trailer) {
+		if err != nil && passedOn(err, trailer) {
 			refused = noneActs(refused, err)
 			continue
 		}
@@ -134,12 +150,12 @@ func (d *Driver) forwardStream(ss grpc.ServerStream, method string, refused erro
 	return refused
 }
 
-// errNotActing is a forwarded stream refused by a peer that does not act,
+// errNotActing is a forwarded stream a peer passed on (see passedOn)
 // before any message came back.
 var errNotActing = errors.New("the peer does not act")
 
-// forwardStreamTo forwards the stream to conn; errNotActing when conn's
-// controller refused it for not acting, having sent nothing.
+// forwardStreamTo forwards the stream to conn; errNotActing when it is for
+// the next peer, nothing having come back.
 func (d *Driver) forwardStreamTo(ss grpc.ServerStream, conn grpc.ClientConnInterface, fctx context.Context, method string, req proto.Message) error {
 	fctx, cancel := context.WithCancel(fctx)
 	defer cancel()
@@ -157,7 +173,7 @@ func (d *Driver) forwardStreamTo(ss grpc.ServerStream, conn grpc.ClientConnInter
 		}
 		if err = cs.RecvMsg(m); err == nil {
 			err = ss.SendMsg(m)
-		} else if first && !errors.Is(err, io.EOF) && notActing(cs.Trailer()) {
+		} else if first && !errors.Is(err, io.EOF) && passedOn(err, cs.Trailer()) {
 			return fmt.Errorf("%w: %v", errNotActing, err)
 		}
 	}

@@ -281,6 +281,21 @@ func TestStandbyTriesTheListedPeers(t *testing.T) {
 			t.Fatalf("volumes %v, want the one created through the acting peer", got)
 		}
 	})
+	t.Run("a listed address where no controller runs", func(t *testing.T) {
+		standby := electedDriver(t, ctrl, nil)
+		standby.StandBy("no storage target's lease can be read", false)
+		gone, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		gone.Close()
+		if err := create(listed(t, standby, gone.Addr().String(), actingAddr), "past-a-gone-peer"); err != nil {
+			t.Fatalf("CreateVolume through a standby listing a gone peer, then the acting one: %v", err)
+		}
+		if got := names(); !slices.Contains(got, "past-a-gone-peer") {
+			t.Fatalf("volumes %v, want the one created past the gone peer", got)
+		}
+	})
 	t.Run("only idle peers", func(t *testing.T) {
 		standby := electedDriver(t, ctrl, nil)
 		standby.StandBy("no storage target's lease can be read", false)

@@ -113,6 +113,7 @@ func (d *Driver) controllerGate(ctx context.Context, req any, info *grpc.UnarySe
 		if err := d.refuseBeforeControllers(); err != nil {
 			return d.forwardUnary(ctx, info.FullMethod, req, err)
 		}
+		markTaken(ctx)
 		return handler(ctx, req)
 	}
 	tctx, leave, err := d.enterTerm(ctx)
@@ -120,6 +121,7 @@ func (d *Driver) controllerGate(ctx context.Context, req any, info *grpc.UnarySe
 		return d.forwardUnary(ctx, info.FullMethod, req, err)
 	}
 	defer leave()
+	markTaken(ctx)
 	resp, err := handler(tctx, req)
 	return resp, termEnded(tctx, err)
 }
@@ -134,6 +136,7 @@ func (d *Driver) controllerStreamGate(srv any, ss grpc.ServerStream, info *grpc.
 		if err := d.refuseBeforeControllers(); err != nil {
 			return d.forwardStream(ss, info.FullMethod, err)
 		}
+		markTaken(ss.Context())
 		return handler(srv, ss)
 	}
 	ctx, leave, err := d.enterTerm(ss.Context())
@@ -141,6 +144,7 @@ func (d *Driver) controllerStreamGate(srv any, ss grpc.ServerStream, info *grpc.
 		return d.forwardStream(ss, info.FullMethod, err)
 	}
 	defer leave()
+	markTaken(ss.Context())
 	return termEnded(ctx, handler(srv, &termStream{ServerStream: ss, ctx: ctx}))
 }
 

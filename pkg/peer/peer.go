@@ -11,7 +11,8 @@
 // reads no lease (cut off from the targets, or arbitrated by lock files,
 // which name no holder's address) asks the listed peers (--controller-peers)
 // in turn: only the acting one takes the call, the others refuse it as
-// "not acting", and the standby tries the next.
+// "not acting", and the standby tries the next, as it does past an address
+// where no controller answers.
 package peer
 
 import (
