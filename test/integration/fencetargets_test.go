@@ -108,15 +108,7 @@ func TestFenceListOnTargets(t *testing.T) {
 	<-first.done
 	second := controller("second")
 	// Ready as a standby at once; acting once the first's leases ran out.
-	for deadline := time.Now().Add(time.Minute); ; time.Sleep(200 * time.Millisecond) {
-		_, err := csi.NewControllerClient(second.conn).ListVolumes(ctx, &csi.ListVolumesRequest{})
-		if status.Code(err) != codes.Unavailable {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the second controller did not take over: %v", err)
-		}
-	}
+	untilActing(t, second)
 	if got := listed(second); !slices.Equal(got, []string{"10.90.0.0/24"}) {
 		t.Errorf("the controller that took over lists the fences %v, want the first's", got)
 	}
