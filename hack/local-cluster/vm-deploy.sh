@@ -2,10 +2,10 @@
 # Installs modeguard with its chart on the cluster of vm-up.sh, as an operator would on a
 # cluster of separate machines: helm install with the chart's defaults but for
 # hack/local-cluster/vm-helm-values.yaml (each value says why this cluster needs it). The
-# images are on every node already (vm-seed.sh). Places the storage targets and the
-# controller (below) and installs csi-addons (its CRDs and controller) around the chart.
-# Waits (bounded) for the controller, every node plugin and storage target, csi-addons'
-# controller, and the driver in every node's CSINode.
+# images are on every node already (vm-seed.sh). Places the storage targets, the NFS target
+# and the two controller replicas (below) and installs csi-addons (its CRDs and controller)
+# around the chart. Waits (bounded) for the controllers, every node plugin and storage target,
+# csi-addons' controller, and the driver in every node's CSINode.
 #   WAIT_SECONDS=300   each wait, under emulation
 #   VALUES=FILE ...    further values files, after vm-helm-values.yaml
 # Needs: root, vm-up.sh running.
@@ -44,11 +44,16 @@ kubectl label --overwrite namespace "$NS" pod-security.kubernetes.io/enforce=pri
 # - block volumes over iSCSI (vm-helm-values.yaml): each zone's storage target on the zone's
 #   last node, and the controller finds each target's Service name at that node's address in
 #   its /etc/hosts, as this cluster has neither kube-proxy nor cluster DNS;
-# - the controller, with ganesha (nfs.node), on the last zone's storage node, so that the
-#   first node runs workloads only: a story can fence it or cut its power without taking the
-#   controller or a target with it.
+# - the NFS target (nfs.node) on the last zone's storage node, found by its Service name in
+#   the controllers' /etc/hosts as the storage targets are;
+# - the two controller replicas on the storage nodes (one each: on the host's network the
+#   chart keeps them apart), so that the first node runs workloads only: a story can fence it
+#   or cut its power without taking a controller or a target with it.
 placement="$C/vm-placement-values.yaml"
-printf 'controller:\n  hostAliases:\n' >"$placement"
+printf 'controller:\n  affinity:\n    nodeAffinity:\n      requiredDuringSchedulingIgnoredDuringExecution:\n' >"$placement"
+printf '        nodeSelectorTerms:\n          - matchExpressions:\n' >>"$placement"
+printf '              - {key: modeguard.csi.dev/storage-target, operator: Exists}\n' >>"$placement"
+printf '  hostAliases:\n' >>"$placement"
 storage_node=""
 for zone in $(kubectl get nodes -o jsonpath='{range .items[*]}{.metadata.labels.topology\.kubernetes\.io/zone}{"\n"}{end}' | sort -u); do
   storage_node=$(kubectl get nodes -l "topology.kubernetes.io/zone=$zone" \
@@ -58,8 +63,9 @@ for zone in $(kubectl get nodes -o jsonpath='{range .items[*]}{.metadata.labels.
   printf '    - {ip: "%s", hostnames: [modeguard-target-%s.%s.svc]}\n' "$ip" "$zone" "$NS" >>"$placement"
   log "storage target of $zone: $storage_node"
 done
+printf '    - {ip: "%s", hostnames: [modeguard-nfs.%s.svc]}\n' "$ip" "$NS" >>"$placement"
 printf 'nfs:\n  node: "%s"\n' "$storage_node" >>"$placement"
-log "controller and ganesha: $storage_node"
+log "the NFS target: $storage_node"
 # csi-addons (csiAddons.enabled in vm-helm-values.yaml): its CRDs before the chart, so that
 # modeguard's sidecar registers at its first start; its controller after.
 CSI_ADDONS_API_HOST=10.98.0.1 CSI_ADDONS_API_PORT=6443 WAIT_SECONDS="$WAIT" bash "$HERE/csi-addons-install.sh" crds
@@ -69,7 +75,7 @@ log "helm upgrade --install modeguard deploy/helm/modeguard ${values[*]}"
 "$HELM" upgrade --install modeguard "$REPO/deploy/helm/modeguard" --namespace "$NS" "${values[@]}" \
   >"$C/helm-install.out"
 
-log "waiting for the controller and the node plugins (<= ${WAIT}s each)"
+log "waiting for the controllers, the targets and the node plugins (<= ${WAIT}s each)"
 kubectl -n "$NS" rollout status deployment/modeguard-controller --timeout="${WAIT}s"
 for w in $(kubectl -n "$NS" get daemonset,statefulset -o name); do
   kubectl -n "$NS" rollout status "$w" --timeout="${WAIT}s"
@@ -83,6 +89,6 @@ for n in "${NODES[@]}"; do
     sleep 1
   done
 done
-log "installed in $(($(date +%s) - t0)) s; the controller runs on $(kubectl -n "$NS" get pod \
-  -l app.kubernetes.io/component=controller -o jsonpath='{.items[0].spec.nodeName}')"
+log "installed in $(($(date +%s) - t0)) s; the controllers run on $(kubectl -n "$NS" get pod \
+  -l app.kubernetes.io/component=controller -o jsonpath='{.items[*].spec.nodeName}')"
 kubectl get csinode -o custom-columns='NODE:.metadata.name,DRIVER:.spec.drivers[*].name,TOPOLOGY:.spec.drivers[*].topologyKeys'

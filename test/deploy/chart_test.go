@@ -185,8 +185,12 @@ func helmTemplate(t *testing.T, args ...string) map[string]map[string]any {
 // appVersion); a cluster that serves the snapshot CRDs, where the chart
 // makes its snapshot classes as the base always does. Rendered without a
 // cluster, the chart cannot pin the controller to a node (the base leaves
-// that to an overlay too).
+// that to an overlay too). The base is the layout of one controller that
+// serves NFS itself (controller.replicas=1, nfs.servedBy=controller): the
+// chart's default of two replicas and the NFS target is checked by
+// TestChartRunsTwoControllersAndTheNFSTarget.
 var asTheBase = []string{"--set", "createNamespace=true", "--set", "image.tag=dev",
+	"--set", "controller.replicas=1", "--set", "nfs.servedBy=controller",
 	"--api-versions", "snapshot.storage.k8s.io/v1/VolumeSnapshotClass",
 	"--api-versions", "groupsnapshot.storage.k8s.io/v1/VolumeGroupSnapshotClass"}
 
@@ -216,7 +220,7 @@ func TestChartISCSIIsTheISCSIOverlay(t *testing.T) {
 		t.Fatalf("the controller of overlays/iscsi does not reach the target instead of the pool: %s", args)
 	}
 	compare(t, helmTemplate(t, append(slices.Clone(asTheBase), "--set", "iscsi.enabled=true",
-		"--set", "iscsi.tls.source=external", "--set", "iscsi.chap.source=external")...), overlay)
+		"--set", "tls.source=external", "--set", "iscsi.chap.source=external")...), overlay)
 }
 
 // TestChartCSIAddonsIsTheCSIAddonsOverlay: the chart with csiAddons.enabled
@@ -266,7 +270,7 @@ components:
 		}
 		checkFenceWiring(t, both["Deployment/modeguard/modeguard-controller"])
 		compare(t, helmTemplate(t, append(slices.Clone(asTheBase), "--set", "iscsi.enabled=true", "--set", "csiAddons.enabled=true",
-			"--set", "iscsi.tls.source=external", "--set", "iscsi.chap.source=external")...), both)
+			"--set", "tls.source=external", "--set", "iscsi.chap.source=external")...), both)
 	})
 }
 
@@ -425,7 +429,7 @@ func TestChartRefusesBadValues(t *testing.T) {
 		{"a csi-addons port out of range", "csiAddons.port=0", "port"},
 		{"a fence Secret name that is not a name", "csiAddons.secretName=Fence_Secret", "secretName"},
 		{"a log format klog does not have", "logFormat=xml", "logFormat"},
-		{"an unknown source of the iSCSI certificates", "iscsi.tls.source=vault", "source"},
+		{"an unknown source of the TLS certificates", "tls.source=vault", "source"},
 		{"an unknown source of the CHAP secrets", "iscsi.chap.source=vault", "source"},
 		{"a snapshot class neither auto nor a boolean", "volumeSnapshotClass.create=maybe", "create"},
 		{"an NFS node that is not a node name", "nfs.node=Node_1", "node"},
@@ -434,6 +438,11 @@ func TestChartRefusesBadValues(t *testing.T) {
 		{"snapshot metadata neither auto nor a boolean", "snapshotMetadata.enabled=maybe", "enabled"},
 		{"a snapshot metadata address without a port", "snapshotMetadata.address=backup.example.com", "address"},
 		{"an external snapshot metadata certificate without its CA", "snapshotMetadata.enabled=true,snapshotMetadata.tls.source=external", "caCert"},
+		{"no controller replica", "controller.replicas=0", "replicas"},
+		{"NFS in the controller neither target nor controller", "nfs.servedBy=node", "servedBy"},
+		{"two controllers serving NFS from their own nodes", "nfs.servedBy=controller", "nfs.servedBy=target"},
+		{"two controllers keeping the fence list on their own nodes", "nfs.enabled=false,csiAddons.enabled=true", "fence list"},
+		{"a sidecar lease without a unit", "controller.leaderElection.leaseDuration=10", "leaseDuration"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cmd := exec.Command(helm, "template", "modeguard", chart, "--namespace", "modeguard", "--set", tc.set)

@@ -267,13 +267,20 @@ func TestREADMEValuesAreTheChartsValues(t *testing.T) {
 // and reads paths that container has mounted, so that the recipe works on
 // an installed release.
 func TestREADMEInspectRecipeMatchesTheChart(t *testing.T) {
-	objs := helmTemplate(t, "--set", "iscsi.enabled=true", "--set", "zones[0].name=zone-a",
-		"--set", "zones[1].name=zone-b")
+	// The defaults (pools in the controller, the NFS target), and the
+	// storage targets of iscsi.enabled.
+	objs := helmTemplate(t, "--set", "zones[0].name=zone-a", "--set", "zones[1].name=zone-b")
+	for key, obj := range helmTemplate(t, "--set", "iscsi.enabled=true", "--set", "zones[0].name=zone-a",
+		"--set", "zones[1].name=zone-b") {
+		if strings.HasPrefix(key, "StatefulSet/modeguard/modeguard-target-") {
+			objs[key] = obj
+		}
+	}
 	readme := strings.ReplaceAll(readFile(t, "README.md"), "\\\n", " ")
 	exec := regexp.MustCompile(`kubectl -n modeguard exec (\S+) -c (\S+) --\s+modeguard inspect([^` + "`" + `\n]*)`)
 	recipes := exec.FindAllStringSubmatch(readme, -1)
-	if len(recipes) < 3 {
-		t.Fatalf("the README has %d inspect recipes; want the controller's, a node's and a storage target's", len(recipes))
+	if len(recipes) < 4 {
+		t.Fatalf("the README has %d inspect recipes; want the NFS target's, the controller's, a node's and a storage target's", len(recipes))
 	}
 	for _, r := range recipes {
 		workload, container, args := r[1], r[2], r[3]

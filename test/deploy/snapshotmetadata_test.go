@@ -163,7 +163,7 @@ func TestChartSnapshotMetadataIsTheSnapshotMetadataOverlay(t *testing.T) {
 		checkSnapshotMetadataWiring(t, all)
 		caCertOf(t, all)
 		compare(t, helmTemplate(t, append(slices.Clone(asTheBase), append([]string{
-			"--set", "iscsi.enabled=true", "--set", "iscsi.tls.source=external", "--set", "iscsi.chap.source=external",
+			"--set", "iscsi.enabled=true", "--set", "tls.source=external", "--set", "iscsi.chap.source=external",
 			"--set", "csiAddons.enabled=true"}, asTheSnapshotMetadataComponent(placeholder)...)...)...), all)
 	})
 }

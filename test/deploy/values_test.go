@@ -252,41 +252,98 @@ storageClasses:
 	}
 }
 
-// TestChartPinsTheNFSServer: with NFS the controller runs on the host's
-// network on one node, and NFS volumes record that node's address, so that
-// a replaced controller pod serves every existing volume at the address it
-// recorded. nfs.node pins it (the chart also finds a node by itself when it
-// renders against a cluster, which helm template cannot show).
+// TestChartPinsTheNFSServer: ganesha runs on the host's network on one
+// node, and NFS volumes record that node's address, so that a replaced pod
+// serves every existing volume at the address it recorded. By default that
+// is the NFS target's StatefulSet, and the controllers, which reach it by
+// its Service, are pinned nowhere; with nfs.servedBy=controller it is the
+// controller itself, as releases before ran it. nfs.node pins it (the chart
+// also finds a node by itself when it renders against a cluster, which helm
+// template cannot show).
 func TestChartPinsTheNFSServer(t *testing.T) {
-	objs := helmTemplate(t, "--set", "nfs.node=worker-7")
-	d := objs["Deployment/modeguard/modeguard-controller"]
-	spec := get(t, d, "spec", "template", "spec").(map[string]any)
-	if spec["hostNetwork"] != true {
-		t.Error("with NFS the controller is not on the host's network")
+	pinned := func(t *testing.T, obj map[string]any, container string) {
+		t.Helper()
+		spec := get(t, obj, "spec", "template", "spec").(map[string]any)
+		if spec["hostNetwork"] != true {
+			t.Error("ganesha's pod is not on the host's network")
+		}
+		if get(t, spec, "nodeSelector", "kubernetes.io/hostname") != "worker-7" {
+			t.Errorf("ganesha's pod is not pinned to nfs.node: %v", spec["nodeSelector"])
+		}
+		if get(t, obj, "metadata", "annotations", "modeguard.csi.dev/nfs-node") != "worker-7" {
+			t.Errorf("the pinned node is not recorded for the next upgrade: %v", obj["metadata"])
+		}
+		c := containersOf(spec)[container]
+		if !slices.Contains(c["args"].([]any), any("--nfs-server=$(HOST_IP)")) {
+			t.Errorf("NFS clients are not sent to the node's address: %v", c["args"])
+		}
+		var hostIP bool
+		for _, e := range c["env"].([]any) {
+			e := e.(map[string]any)
+			hostIP = hostIP || (e["name"] == "HOST_IP" && get(t, e, "valueFrom", "fieldRef", "fieldPath") == "status.hostIP")
+		}
+		if !hostIP {
+			t.Errorf("HOST_IP is not the node's status.hostIP: %v", c["env"])
+		}
+		var dirs []string
+		for _, v := range spec["volumes"].([]any) {
+			if hp, ok := v.(map[string]any)["hostPath"].(map[string]any); ok {
+				dirs = append(dirs, hp["path"].(string))
+			}
+		}
+		for _, want := range []string{"/var/lib/modeguard/nfs", "/var/lib/modeguard/ganesha"} {
+			if !slices.Contains(dirs, want) {
+				t.Errorf("ganesha's pod does not keep %s on its node: %v", want, dirs)
+			}
+		}
 	}
-	if get(t, spec, "nodeSelector", "kubernetes.io/hostname") != "worker-7" {
-		t.Errorf("the controller is not pinned to nfs.node: %v", spec["nodeSelector"])
+	unpinned := func(t *testing.T, spec map[string]any) {
+		t.Helper()
+		if spec["hostNetwork"] != nil || spec["nodeSelector"] != nil {
+			t.Errorf("the controller is pinned or on the host's network: %v %v", spec["hostNetwork"], spec["nodeSelector"])
+		}
 	}
-	if get(t, d, "metadata", "annotations", "modeguard.csi.dev/nfs-node") != "worker-7" {
-		t.Errorf("the pinned node is not recorded for the next upgrade: %v", d["metadata"])
-	}
-	driver := containersOf(spec)["modeguard"]
-	if !slices.Contains(driver["args"].([]any), any("--nfs-server=$(HOST_IP)")) {
-		t.Errorf("NFS clients are not sent to the node's address: %v", driver["args"])
-	}
-	var hostIP bool
-	for _, e := range driver["env"].([]any) {
-		e := e.(map[string]any)
-		hostIP = hostIP || (e["name"] == "HOST_IP" && get(t, e, "valueFrom", "fieldRef", "fieldPath") == "status.hostIP")
-	}
-	if !hostIP {
-		t.Errorf("HOST_IP is not the node's status.hostIP: %v", driver["env"])
-	}
-	// Without NFS the controller is a plain pod, placed anywhere.
-	off := get(t, helmTemplate(t, "--set", "nfs.enabled=false")["Deployment/modeguard/modeguard-controller"], "spec", "template", "spec").(map[string]any)
-	if off["hostNetwork"] != nil || off["nodeSelector"] != nil {
-		t.Errorf("without NFS the controller is still pinned or on the host's network: %v %v", off["hostNetwork"], off["nodeSelector"])
-	}
+
+	t.Run("the NFS target", func(t *testing.T) {
+		objs := helmTemplate(t, "--set", "nfs.node=worker-7")
+		target := objs["StatefulSet/modeguard/modeguard-nfs"]
+		if target == nil {
+			t.Fatal("no NFS target")
+		}
+		pinned(t, target, "modeguard")
+		if n := get(t, target, "spec", "replicas"); n != 1.0 && n != 1 {
+			t.Errorf("the NFS target runs %v replicas", n)
+		}
+		d := objs["Deployment/modeguard/modeguard-controller"]
+		spec := get(t, d, "spec", "template", "spec").(map[string]any)
+		unpinned(t, spec)
+		if _, ok := get(t, d, "metadata").(map[string]any)["annotations"]; ok {
+			t.Errorf("the controller still records an NFS node: %v", d["metadata"])
+		}
+		for _, a := range containersOf(spec)["modeguard"]["args"].([]any) {
+			if strings.HasPrefix(a.(string), "--nfs-export-root") || strings.HasPrefix(a.(string), "--nfs-ganesha-dir") {
+				t.Errorf("the controller keeps NFS on its node: %s", a)
+			}
+		}
+	})
+	t.Run("served by the controller", func(t *testing.T) {
+		objs := helmTemplate(t, "--set", "nfs.node=worker-7", "--set", "nfs.servedBy=controller", "--set", "controller.replicas=1")
+		if objs["StatefulSet/modeguard/modeguard-nfs"] != nil {
+			t.Error("an NFS target beside the controller that serves NFS")
+		}
+		d := objs["Deployment/modeguard/modeguard-controller"]
+		pinned(t, d, "modeguard")
+		if s := get(t, d, "spec", "strategy", "type"); s != "Recreate" {
+			t.Errorf("the NFS-serving controller is replaced by %v, not Recreate", s)
+		}
+	})
+	t.Run("no NFS", func(t *testing.T) {
+		objs := helmTemplate(t, "--set", "nfs.enabled=false")
+		unpinned(t, get(t, objs["Deployment/modeguard/modeguard-controller"], "spec", "template", "spec").(map[string]any))
+		if objs["StatefulSet/modeguard/modeguard-nfs"] != nil {
+			t.Error("an NFS target without NFS")
+		}
+	})
 }
 
 // TestChartMakesTheISCSISecrets: with iscsi and the defaults, the chart
@@ -342,7 +399,7 @@ func TestChartMakesTheISCSISecrets(t *testing.T) {
 		t.Errorf("the node plugin does not read its own key of the chart's CHAP Secret: %v", node["args"])
 	}
 
-	managed := helmTemplate(t, "--set", "iscsi.enabled=true", "--set", "iscsi.tls.source=cert-manager",
+	managed := helmTemplate(t, "--set", "iscsi.enabled=true", "--set", "tls.source=cert-manager",
 		"--api-versions", "cert-manager.io/v1")
 	for _, key := range []string{"Issuer/modeguard/modeguard-iscsi-ca", "Certificate/modeguard/modeguard-controller-tls", "Certificate/modeguard/modeguard-target-zone-a-tls"} {
 		if managed[key] == nil {
