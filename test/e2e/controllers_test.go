@@ -22,6 +22,38 @@ import (
 // within 30 s of the acting one's end.
 const takeoverBound = 30 * time.Second
 
+// writerPauseBound is the longest pause allowed to a writer that appends a
+// line every 0.2 s: under emulation a sync now and then takes a second or
+// two, and a writer waiting for a controller waits for the whole take-over.
+const writerPauseBound = 5 * time.Second
+
+// stampLoop appends the time (seconds, with the shell's counter to tell
+// lines of one second apart) to file every 0.2 s, synced.
+func stampLoop(file string) string {
+	return `n=0; while true; do n=$((n+1)); echo "$(date +%s) $n" >> ` + file + `; sync; sleep 0.2; done`
+}
+
+// longestPause answers the longest time between consecutive lines of
+// stampLoop's log within [from, to], at a second's resolution, and how many
+// lines fall there.
+func longestPause(log string, from, to time.Time) (time.Duration, int) {
+	var stamps []int64
+	for _, line := range strings.Split(strings.TrimSpace(log), "\n") {
+		var sec, n int64
+		if _, err := fmt.Sscanf(line, "%d %d", &sec, &n); err == nil && sec >= from.Unix() && sec <= to.Unix() {
+			stamps = append(stamps, sec)
+		}
+	}
+	var longest int64
+	for i := 1; i < len(stamps); i++ {
+		longest = max(longest, stamps[i]-stamps[i-1])
+	}
+	if len(stamps) > 0 {
+		longest = max(longest, stamps[0]-from.Unix(), to.Unix()-stamps[len(stamps)-1])
+	}
+	return time.Duration(longest) * time.Second, len(stamps)
+}
+
 // controllerActivity answers, for each controller pod not being deleted,
 // whether its driver says it acts (modeguard_controller_active, read through
 // the API server's proxy to its metrics port), or an error for a pod that
@@ -149,6 +181,20 @@ func TestActingControllerDeletedDuringStories(t *testing.T) {
 	}()
 	defer func() { close(stop); <-watched }()
 
+	// Writers on volumes mounted before: their I/O never goes through a
+	// controller, and must not pause while the controllers change.
+	c.create(
+		blockClaim("steady-block", corev1.ReadWriteOnce, corev1.PersistentVolumeFilesystem),
+		nfsClaim("steady-nfs", corev1.ReadWriteOnce),
+	)
+	writers := []string{"steady-block", "steady-nfs"}
+	for _, w := range writers {
+		c.create(withCommand(onNode(pinnedPod(w, w, ""), nodeA2), stampLoop("/data/log")))
+	}
+	for _, w := range writers {
+		c.waitRunning(w)
+	}
+
 	// Claims of every kind, and their pods: block in each zone (bound when
 	// their pods are scheduled), and NFS shared by two nodes.
 	c.create(
@@ -191,6 +237,16 @@ func TestActingControllerDeletedDuringStories(t *testing.T) {
 			c.fatalf("pod %s reads %q from its volume, wrote %q", name, got, mark)
 		}
 	}
+	// The writers wrote on throughout: no pause of theirs around the
+	// deletion longer than the bound below (the take-over itself is longer).
+	for _, w := range writers {
+		gap, lines := longestPause(c.mustExec(w, "cat", "/data/log"), deleted.Add(-5*time.Second), deleted.Add(took+10*time.Second))
+		t.Logf("%s: %d writes around the take-over, the longest pause %s", w, lines, gap)
+		if lines == 0 || gap > writerPauseBound {
+			c.fatalf("%s paused %s around the take-over (%d writes): its I/O waited for a controller", w, gap, lines)
+		}
+	}
+
 	// The NFS claim is one volume on two nodes: each reads the other's.
 	if got := strings.TrimSpace(c.mustExec("shared-a2", "cat", "/data/shared-a1")); !strings.HasPrefix(got, "shared-a1 ") {
 		c.fatalf("shared-a2 reads %q of shared-a1's file", got)
