@@ -54,16 +54,22 @@ printf 'controller:\n  affinity:\n    nodeAffinity:\n      requiredDuringSchedul
 printf '        nodeSelectorTerms:\n          - matchExpressions:\n' >>"$placement"
 printf '              - {key: modeguard.csi.dev/storage-target, operator: Exists}\n' >>"$placement"
 printf '  hostAliases:\n' >>"$placement"
-storage_node=""
+storage_node="" aliases=()
 for zone in $(kubectl get nodes -o jsonpath='{range .items[*]}{.metadata.labels.topology\.kubernetes\.io/zone}{"\n"}{end}' | sort -u); do
   storage_node=$(kubectl get nodes -l "topology.kubernetes.io/zone=$zone" \
     -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}' | sort -V | tail -1)
   ip=$(kubectl get node "$storage_node" -o jsonpath='{.status.addresses[?(@.type=="InternalIP")].address}')
   kubectl label --overwrite node "$storage_node" "modeguard.csi.dev/storage-target=$zone" >/dev/null
-  printf '    - {ip: "%s", hostnames: [modeguard-target-%s.%s.svc]}\n' "$ip" "$zone" "$NS" >>"$placement"
+  aliases+=("$ip modeguard-target-$zone.$NS.svc")
   log "storage target of $zone: $storage_node"
 done
-printf '    - {ip: "%s", hostnames: [modeguard-nfs.%s.svc]}\n' "$ip" "$NS" >>"$placement"
+# The NFS target's name at the last storage node's address, in that address's entry (one
+# entry per address).
+aliases[-1]+=" modeguard-nfs.$NS.svc"
+for a in "${aliases[@]}"; do
+  read -r ip names <<<"$a"
+  printf '    - {ip: "%s", hostnames: [%s]}\n' "$ip" "${names// /, }" >>"$placement"
+done
 printf 'nfs:\n  node: "%s"\n' "$storage_node" >>"$placement"
 log "the NFS target: $storage_node"
 # csi-addons (csiAddons.enabled in vm-helm-values.yaml): its CRDs before the chart, so that
