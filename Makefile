@@ -102,7 +102,7 @@ cluster-down-vm:
 # cluster goes down afterwards whatever the result. The stories alone took
 # 42 minutes in the last whole run here (docs/vm-cluster.md): the timeout leaves
 # room to finish and be measured rather than be cut off in the parallel batch.
-E2E_VM_TESTS := ^(TestNFS(RWODeploymentOnTwoNodes|RollingUpdateHandsTheClaimOver|StatefulSetPodComesBackElsewhere|AccessModesAcrossNodes|FsGroup)|Test(RWODeploymentStaysOnOneNode|RWOPDeploymentRunsOnePod|ROXFromSnapshot|ExpansionGrowsMountedFilesystem)|TestISCSI(RawBlockOneWriterReadersElsewhere|RestoreFollowsItsSource)|Test(StorageNodeReboots|KubeletRestartReconstructsTheMounts)|TestNetworkFenceCutsANodeOff|TestActingControllerDeletedDuringStories)$$
+E2E_VM_TESTS := ^(TestNFS(RWODeploymentOnTwoNodes|RollingUpdateHandsTheClaimOver|StatefulSetPodComesBackElsewhere|AccessModesAcrossNodes|FsGroup)|Test(RWODeploymentStaysOnOneNode|RWOPDeploymentRunsOnePod|ROXFromSnapshot|ExpansionGrowsMountedFilesystem)|TestISCSI(RawBlockOneWriterReadersElsewhere|RestoreFollowsItsSource)|Test(StorageNodeReboots|KubeletRestartReconstructsTheMounts)|TestNetworkFenceCutsANodeOff|TestActingControllerDeletedDuringStories|TestChartUpgradeMovesNFSToItsTarget)$$
 test-e2e-vm: $(HELM)
 	@rc=0; \
 	if $(MAKE) cluster-up-vm; then \

@@ -8,6 +8,8 @@
 # csi-addons' controller, and the driver in every node's CSINode.
 #   WAIT_SECONDS=300   each wait, under emulation
 #   VALUES=FILE ...    further values files, after vm-helm-values.yaml
+#   CHART=DIR          another chart than deploy/helm/modeguard (an earlier release's, to
+#                      upgrade from)
 # Needs: root, vm-up.sh running.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -19,6 +21,7 @@ NS=modeguard
 export KUBECONFIG="$C/admin.kubeconfig"
 export PATH="$BUILD/k8s/bin:$PATH"
 HELM="${HELM:-$BUILD/tools/helm}"
+CHART="${CHART:-$REPO/deploy/helm/modeguard}"
 
 log() { printf '[vm-deploy %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 die() { printf '[vm-deploy %s] ERROR: %s\n' "$(date +%H:%M:%S)" "$*" >&2; exit 1; }
@@ -77,8 +80,8 @@ log "the NFS target: $storage_node"
 CSI_ADDONS_API_HOST=10.98.0.1 CSI_ADDONS_API_PORT=6443 WAIT_SECONDS="$WAIT" bash "$HERE/csi-addons-install.sh" crds
 values=(--values "$HERE/vm-helm-values.yaml" --values "$placement")
 for v in ${VALUES:-}; do values+=(--values "$v"); done
-log "helm upgrade --install modeguard deploy/helm/modeguard ${values[*]}"
-"$HELM" upgrade --install modeguard "$REPO/deploy/helm/modeguard" --namespace "$NS" "${values[@]}" \
+log "helm upgrade --install modeguard $CHART ${values[*]}"
+"$HELM" upgrade --install modeguard "$CHART" --namespace "$NS" "${values[@]}" \
   >"$C/helm-install.out"
 
 log "waiting for the controllers, the targets and the node plugins (<= ${WAIT}s each)"
