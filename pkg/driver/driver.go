@@ -214,7 +214,17 @@ func (d *Driver) setMetricSources() {
 		return
 	}
 	src := metrics.Sources{}
-	if d.HasRole(RoleController) && d.controllersReady.Load() {
+	// The volumes, pools and fences are the acting controller's to report:
+	// a standby's backends refuse every call (it holds no lease), and
+	// asking them at each scrape would fail the scrape and load the
+	// targets for nothing.
+	acting := true
+	if d.cfg.Elected {
+		d.termMu.Lock()
+		acting = d.term != nil
+		d.termMu.Unlock()
+	}
+	if d.HasRole(RoleController) && d.controllersReady.Load() && acting {
 		src.Controllers = d.cfg.Controllers
 		if l := d.fences; l != nil {
 			src.FencedBlocks = func() int { return len(l.Fences()) }

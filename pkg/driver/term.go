@@ -93,6 +93,7 @@ func (d *Driver) EndTerm(why string) bool {
 	d.termMu.Unlock()
 	d.WaitingFor("this controller is standby: " + why)
 	d.cfg.Metrics.SetControllerActive(false)
+	d.setMetricSources()
 	if t == nil {
 		return true
 	}

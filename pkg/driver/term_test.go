@@ -2,7 +2,11 @@ package driver_test
 
 import (
 	"context"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -14,6 +18,7 @@ import (
 	"github.com/modeguard/modeguard/pkg/backend"
 	"github.com/modeguard/modeguard/pkg/backend/memory"
 	"github.com/modeguard/modeguard/pkg/driver"
+	"github.com/modeguard/modeguard/pkg/metrics"
 )
 
 // TestControllerActsOnlyDuringATerm: an elected controller serves the calls
@@ -127,4 +132,75 @@ func TestControllerActsOnlyDuringATerm(t *testing.T) {
 		t.Fatalf("CreateVolume in the next term: %v", err)
 	}
 	d.EndTerm("the test ends")
+}
+
+// TestStandbyReportsNoBackendState: the volumes, pools and fences are
+// reported by the acting controller alone. A standby's scrape asks its
+// backends nothing (they would refuse every call: it holds no lease) and
+// fails nothing; during a term the state is there, and it goes again when
+// the term ends.
+func TestStandbyReportsNoBackendState(t *testing.T) {
+	m := metrics.New("test", []string{"controller"})
+	d, err := driver.New(driver.Config{Version: "test", Roles: []driver.Role{driver.RoleController}, ControllersLater: true,
+		Elected: true, Metrics: m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctrl, err := memory.New(memory.Config{Pools: []memory.Pool{{Zone: "zone-a", SizeBytes: 1 << 30}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var asked atomic.Int32
+	ctrl.Hook("ListVolumes", func(context.Context) error {
+		asked.Add(1)
+		return nil
+	})
+	if err := d.SetControllers(map[accessmode.Backend]backend.Controller{accessmode.BackendBlock: ctrl}); err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(m.Handler())
+	defer srv.Close()
+	scrape := func(when string) string {
+		t.Helper()
+		resp, err := http.Get(srv.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("%s: scrape status %d: %s", when, resp.StatusCode, body)
+		}
+		return string(body)
+	}
+	standby := func(when string) {
+		t.Helper()
+		before := asked.Load()
+		body := scrape(when)
+		if strings.Contains(body, "modeguard_volumes{") || strings.Contains(body, "modeguard_pool_size_bytes{") {
+			t.Errorf("%s: the standby reports the backends' state", when)
+		}
+		if n := asked.Load() - before; n != 0 {
+			t.Errorf("%s: the standby's scrape listed the volumes %d times", when, n)
+		}
+		if !strings.Contains(body, "modeguard_controller_active 0") {
+			t.Errorf("%s: the standby does not say it stands by", when)
+		}
+	}
+
+	standby("before the election decided")
+	d.StandBy("another controller holds storage target t1", true)
+	standby("standby")
+	if err := d.StartTerm(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	body := scrape("during a term")
+	if !strings.Contains(body, `modeguard_pool_size_bytes{backend="block",zone="zone-a"}`) || !strings.Contains(body, "modeguard_volumes{") ||
+		!strings.Contains(body, "modeguard_controller_active 1") || asked.Load() == 0 {
+		t.Errorf("the acting controller does not report its backends' state:\n%s", body)
+	}
+	if !d.EndTerm("lost the lease of storage target t1") {
+		t.Fatal("EndTerm")
+	}
+	standby("after the term")
 }

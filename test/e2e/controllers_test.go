@@ -22,6 +22,12 @@ import (
 // within 30 s of the acting one's end.
 const takeoverBound = 30 * time.Second
 
+// overlapPoll is how often the story asks both replicas whether they act.
+// A scrape of the acting one reads every storage target's volumes and
+// pools: every second, on emulated VMs beside other stories, that load
+// alone slowed the sidecars' calls to the driver past their timeouts.
+const overlapPoll = 5 * time.Second
+
 // writerPauseBound is the longest pause allowed to a writer that appends a
 // line every 0.2 s: under emulation a sync now and then takes a second or
 // two, and a writer waiting for a controller waits for the whole take-over.
@@ -163,7 +169,7 @@ func TestActingControllerDeletedDuringStories(t *testing.T) {
 			select {
 			case <-stop:
 				return
-			case <-time.After(time.Second):
+			case <-time.After(overlapPoll):
 			}
 			active, _ := c.controllerActivity()
 			var on []string
