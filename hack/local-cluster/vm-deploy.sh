@@ -10,6 +10,7 @@
 #   VALUES=FILE ...    further values files, after vm-helm-values.yaml
 #   CHART=DIR          another chart than deploy/helm/modeguard (an earlier release's, to
 #                      upgrade from)
+#   VM_VALUES=FILE     instead of vm-helm-values.yaml (that release's, which its schema takes)
 # Needs: root, vm-up.sh running.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -78,7 +79,7 @@ log "the NFS target: $storage_node"
 # csi-addons (csiAddons.enabled in vm-helm-values.yaml): its CRDs before the chart, so that
 # modeguard's sidecar registers at its first start; its controller after.
 CSI_ADDONS_API_HOST=10.98.0.1 CSI_ADDONS_API_PORT=6443 WAIT_SECONDS="$WAIT" bash "$HERE/csi-addons-install.sh" crds
-values=(--values "$HERE/vm-helm-values.yaml" --values "$placement")
+values=(--values "${VM_VALUES:-$HERE/vm-helm-values.yaml}" --values "$placement")
 for v in ${VALUES:-}; do values+=(--values "$v"); done
 log "helm upgrade --install modeguard $CHART ${values[*]}"
 "$HELM" upgrade --install modeguard "$CHART" --namespace "$NS" "${values[@]}" \

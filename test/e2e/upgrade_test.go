@@ -19,8 +19,9 @@ import (
 const previousChart = "8c0afeb"
 
 // deployChart installs chart (a directory) on the VM cluster as vm-deploy.sh
-// does, with its values, and waits for every workload of the release.
-func (c *cluster) deployChart(chart string) {
+// does, with values (vm-helm-values.yaml of chart's release; empty: this
+// one's), and waits for every workload of the release.
+func (c *cluster) deployChart(chart, values string) {
 	c.t.Helper()
 	dir := os.Getenv("MODEGUARD_E2E_VM_DIR")
 	if dir == "" {
@@ -28,6 +29,9 @@ func (c *cluster) deployChart(chart string) {
 	}
 	cmd := exec.Command(filepath.Join("..", "..", "hack", "local-cluster", "vm-deploy.sh"))
 	cmd.Env = append(os.Environ(), "CLUSTER_DIR="+filepath.Dir(dir), "CHART="+chart)
+	if values != "" {
+		cmd.Env = append(cmd.Env, "VM_VALUES="+values)
+	}
 	t0 := time.Now()
 	out, err := cmd.CombinedOutput()
 	if err != nil {
@@ -49,7 +53,11 @@ func TestChartUpgradeMovesNFSToItsTarget(t *testing.T) {
 	nfsNodes(t)
 	c := setup(t)
 	previous := t.TempDir()
-	archive := exec.Command("sh", "-c", fmt.Sprintf("git -C ../.. archive %s deploy/helm/modeguard | tar -x -C %s", previousChart, previous))
+	// The chart and the VM cluster's values of that release: an operator
+	// upgrades with the values file they kept, which that chart's schema
+	// takes.
+	archive := exec.Command("sh", "-c", fmt.Sprintf("git -C ../.. archive %s deploy/helm/modeguard hack/local-cluster/vm-helm-values.yaml | tar -x -C %s",
+		previousChart, previous))
 	if out, err := archive.CombinedOutput(); err != nil {
 		c.fatalf("the previous chart (%s): %v: %s (a clone with history is needed)", previousChart, err, out)
 	}
@@ -60,11 +68,11 @@ func TestChartUpgradeMovesNFSToItsTarget(t *testing.T) {
 	// Whatever happens, the other stories find this chart installed.
 	t.Cleanup(func() {
 		if t.Failed() {
-			c.deployChart(current)
+			c.deployChart(current, "")
 		}
 	})
 
-	c.deployChart(filepath.Join(previous, "deploy", "helm", "modeguard"))
+	c.deployChart(filepath.Join(previous, "deploy", "helm", "modeguard"), filepath.Join(previous, "hack", "local-cluster", "vm-helm-values.yaml"))
 	dep, err := c.cs.AppsV1().Deployments(driverNamespace).Get(c.ctx, controllerName, metav1.GetOptions{})
 	if err != nil {
 		c.fatalf("the previous release's controller: %v", err)
@@ -87,7 +95,7 @@ func TestChartUpgradeMovesNFSToItsTarget(t *testing.T) {
 	})
 
 	upgraded := time.Now()
-	c.deployChart(current)
+	c.deployChart(current, "")
 	took := time.Since(upgraded)
 
 	// The NFS target on the NFS node, serving the volume at the address
