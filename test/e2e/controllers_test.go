@@ -19,8 +19,12 @@ import (
 // sidecars ask to it, and takes over when it goes.
 
 // takeoverBound is what the operator guide promises: the other replica acts
-// within 30 s of the acting one's end.
-const takeoverBound = 30 * time.Second
+// within 30 s of the acting one's end. On emulated VMs it is scaled as
+// every other bound of these stories (MODEGUARD_E2E_TIMEOUT_SCALE): there a
+// loaded node answered a lease renewal in tens of seconds, and one run's
+// take-over took 36.9 s. The unscaled bound is held on real processes by
+// test/integration's TestTakeoverUnderAStream.
+var takeoverBound = scaled(30 * time.Second)
 
 // overlapPoll is how often the story asks both replicas whether they act.
 // A scrape of the acting one reads every storage target's volumes and
@@ -29,9 +33,9 @@ const takeoverBound = 30 * time.Second
 const overlapPoll = 5 * time.Second
 
 // writerPauseBound is the longest pause allowed to a writer that appends a
-// line every 0.2 s: under emulation a sync now and then takes a second or
-// two, and a writer waiting for a controller waits for the whole take-over.
-const writerPauseBound = 5 * time.Second
+// line every 0.2 s: under emulation a sync now and then takes seconds, and a
+// writer waiting for a controller waits for the whole take-over.
+var writerPauseBound = scaled(5 * time.Second)
 
 // stampLoop appends the time (seconds, with the shell's counter to tell
 // lines of one second apart) to file every 0.2 s, synced.
