@@ -353,26 +353,7 @@ func TestChartPinsTheNFSServer(t *testing.T) {
 // where the operator says so and the cluster has it.
 func TestChartMakesTheISCSISecrets(t *testing.T) {
 	objs := helmTemplate(t, "--set", "iscsi.enabled=true", "--set", "zones[0].name=zone-a", "--set", "zones[1].name=zone-b")
-	cert := func(name, key string) *x509.Certificate {
-		t.Helper()
-		s := objs["Secret/modeguard/"+name]
-		if s == nil {
-			t.Fatalf("no Secret %s", name)
-		}
-		raw, err := base64.StdEncoding.DecodeString(get(t, s, "data", key).(string))
-		if err != nil {
-			t.Fatal(err)
-		}
-		block, _ := pem.Decode(raw)
-		if block == nil {
-			t.Fatalf("%s/%s is no PEM", name, key)
-		}
-		c, err := x509.ParseCertificate(block.Bytes)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return c
-	}
+	cert := func(name, key string) *x509.Certificate { return secretCert(t, objs, name, key) }
 	ca := cert("modeguard-iscsi-ca", "tls.crt")
 	pool := x509.NewCertPool()
 	pool.AddCert(ca)
